@@ -1,0 +1,60 @@
+"""The seam between the engine and attention kernels.
+
+The model runner builds one `AttentionMetadata` per step and passes it down the model explicitly;
+each attention layer hands its q/k/v, its slice of the paged KV cache and the metadata to the
+backend. Backends differ only in kernels, so the engine reads the same on CPU and GPU.
+"""
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class AttentionMetadata:
+    # Sequences are ordered with the decodes (query length 1) first.
+    num_seqs: int
+    num_decodes: int
+    slot_mapping: torch.Tensor      # [num_tokens] int64: cache slot of each new token (-1: skip)
+    query_start_loc: torch.Tensor   # [num_seqs + 1] int32: cumulative query lengths
+    seq_lens: torch.Tensor          # [num_seqs] int32: context length after this step
+    block_tables: torch.Tensor      # [num_seqs, max_blocks] int32
+    max_query_len: int
+    max_seq_len: int
+    # Host copies of the ragged layout, for backends that loop over sequences on the host.
+    query_start_loc_host: list[int] | None = None
+    seq_lens_host: list[int] | None = None
+
+    @property
+    def num_decode_tokens(self) -> int:
+        return self.num_decodes
+
+
+class AttentionBackend(ABC):
+    name: str = "base"
+    supports_cuda_graphs: bool = False
+
+    @abstractmethod
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                k_cache: torch.Tensor, v_cache: torch.Tensor,
+                meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        """q: [T, Hq, D], k/v: [T, Hkv, D] for the new tokens; caches: [num_blocks, block_size,
+        Hkv, D]. Stores k/v at meta.slot_mapping, then attends each new token to its sequence's
+        context. Returns [T, Hq, D]."""
+
+    def prepare(self, meta: AttentionMetadata):
+        """Per-step hook before the forward (e.g. kernel work-partitioning)."""
+
+
+def get_attention_backend(name: str, device: torch.device) -> AttentionBackend:
+    if name == "auto":
+        name = "triton" if device.type == "cuda" else "torch"
+    if name == "torch":
+        from nanovllm.attention.torch_backend import TorchAttentionBackend
+        return TorchAttentionBackend()
+    if name == "triton":
+        if device.type != "cuda":
+            raise ValueError("attention_backend='triton' needs a CUDA device")
+        from nanovllm.attention.triton_backend import TritonAttentionBackend
+        return TritonAttentionBackend()
+    raise ValueError(f"unknown attention backend {name!r}; choose 'auto', 'torch' or 'triton'")

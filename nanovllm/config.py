@@ -1,0 +1,127 @@
+"""Engine configuration: the seed's `Config` fields and defaults, plus vLLM-style extensions."""
+import os
+from dataclasses import dataclass, fields
+
+import torch
+from transformers import AutoConfig, PretrainedConfig
+
+_DTYPES = {
+    "float32": torch.float32, "fp32": torch.float32, "float": torch.float32,
+    "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+    "float16": torch.float16, "fp16": torch.float16, "half": torch.float16,
+}
+
+
+@dataclass
+class Config:
+    model: str
+    max_num_batched_tokens: int = 16384
+    max_num_seqs: int = 512
+    max_model_len: int = 4096
+    gpu_memory_utilization: float = 0.9
+    tensor_parallel_size: int = 1
+    enforce_eager: bool = False
+    hf_config: PretrainedConfig | None = None
+    eos: int = -1
+    kvcache_block_size: int = 256
+    num_kvcache_blocks: int = -1
+    # Extensions (named as in vLLM where vLLM has the concept).
+    device: str = "auto"
+    dtype: str = "auto"
+    enable_prefix_caching: bool = True
+    load_format: str = "auto"
+    seed: int = 0
+    kv_cache_memory_bytes: int | None = None
+    attention_backend: str = "auto"
+
+    def __post_init__(self):
+        if not isinstance(self.model, str) or not self.model:
+            raise ValueError(f"model must be a path to a model directory or .gguf file, got {self.model!r}")
+        if not os.path.exists(self.model):
+            raise FileNotFoundError(f"model path {self.model!r} does not exist")
+        if not os.path.isdir(self.model):
+            raise ValueError(f"model path {self.model!r} is not a directory (expected a Hugging Face model "
+                             "directory with config.json, or a .gguf file)")
+        if not os.path.isfile(os.path.join(self.model, "config.json")):
+            raise ValueError(f"model directory {self.model!r} has no config.json")
+        _check_int("max_num_batched_tokens", self.max_num_batched_tokens, 1)
+        _check_int("max_num_seqs", self.max_num_seqs, 1)
+        _check_int("max_model_len", self.max_model_len, 2)
+        _check_int("tensor_parallel_size", self.tensor_parallel_size, 1)
+        _check_int("kvcache_block_size", self.kvcache_block_size, 16)
+        if self.kvcache_block_size % 16:
+            raise ValueError(f"kvcache_block_size must be a positive multiple of 16, got {self.kvcache_block_size}")
+        if not (0.0 < self.gpu_memory_utilization <= 1.0):
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        if self.num_kvcache_blocks != -1:
+            _check_int("num_kvcache_blocks", self.num_kvcache_blocks, 1)
+        if self.kv_cache_memory_bytes is not None:
+            _check_int("kv_cache_memory_bytes", self.kv_cache_memory_bytes, 1)
+        if self.load_format not in ("auto", "safetensors", "dummy"):
+            raise ValueError(f"load_format must be 'auto', 'safetensors' or 'dummy', got {self.load_format!r}")
+        if self.attention_backend not in ("auto", "torch", "triton"):
+            raise ValueError(f"attention_backend must be 'auto', 'torch' or 'triton', got {self.attention_backend!r}")
+
+        self.device = resolve_device(self.device)
+        if self.hf_config is None:
+            self.hf_config = AutoConfig.from_pretrained(self.model)
+        self.torch_dtype = resolve_dtype(self.dtype, self.hf_config, self.device)
+        max_pos = getattr(self.hf_config, "max_position_embeddings", None)
+        if max_pos:
+            self.max_model_len = min(self.max_model_len, max_pos)
+        if self.eos == -1:
+            self.eos = _eos_from_config(self.hf_config)
+
+    @classmethod
+    def field_names(cls) -> set[str]:
+        return {f.name for f in fields(cls)}
+
+
+def _check_int(name: str, value, minimum: int):
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
+
+
+def resolve_device(device: str) -> torch.device:
+    if isinstance(device, torch.device):
+        return device
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dev = torch.device(device)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device={device!r} was requested but CUDA is not available")
+    if dev.type not in ("cpu", "cuda"):
+        raise ValueError(f"device must be 'auto', 'cpu' or 'cuda', got {device!r}")
+    return dev
+
+
+def cpu_supports_bf16() -> bool:
+    """bf16 is only worth it on CPUs with native bf16 dot products (AVX512-BF16 / AMX)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = f.read()
+    except OSError:
+        return False
+    return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
+def resolve_dtype(dtype, hf_config: PretrainedConfig, device: torch.device) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype != "auto":
+        if dtype not in _DTYPES:
+            raise ValueError(f"dtype must be 'auto' or one of {sorted(set(_DTYPES))}, got {dtype!r}")
+        return _DTYPES[dtype]
+    if device.type == "cpu":
+        return torch.bfloat16 if cpu_supports_bf16() else torch.float32
+    ckpt = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None)
+    if isinstance(ckpt, str):
+        ckpt = _DTYPES.get(ckpt)
+    return ckpt if isinstance(ckpt, torch.dtype) else torch.bfloat16
+
+
+def _eos_from_config(hf_config: PretrainedConfig) -> int:
+    eos = getattr(hf_config, "eos_token_id", None)
+    if isinstance(eos, (list, tuple)):
+        eos = eos[0] if eos else None
+    return -1 if eos is None else int(eos)

@@ -1,0 +1,115 @@
+"""Continuous batching without separate prefill and decode phases.
+
+Every sequence has `num_computed_tokens` that catches up with `num_tokens` under a per-step token
+budget (vLLM v1's idea): one loop covers decode (one new token), chunked prefill (a slice of a long
+prompt), prefix-cache hits (computed tokens adopted at admission) and recompute after preemption.
+Running sequences are served first, in admission order; when the KV cache runs out, the most
+recently admitted sequence is preempted (blocks freed, recomputed later) and put at the head of
+the waiting queue, so the oldest request always makes progress and nothing starves.
+"""
+from collections import deque
+from dataclasses import dataclass
+
+from nanovllm.engine.block_manager import BlockManager
+from nanovllm.engine.sequence import Sequence, SequenceStatus
+
+
+@dataclass
+class ScheduledBatch:
+    seqs: list[Sequence]         # sequences with query length 1 (decodes) come first
+    num_new_tokens: list[int]    # tokens of each sequence computed this step
+    num_decodes: int             # leading sequences with exactly one new token
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(self.num_new_tokens)
+
+    def samples(self, i: int) -> bool:
+        """Whether sequence i reaches its last token this step (and so samples the next one)."""
+        seq = self.seqs[i]
+        return seq.num_computed_tokens + self.num_new_tokens[i] == seq.num_tokens
+
+
+class Scheduler:
+    def __init__(self, max_num_seqs: int, max_num_batched_tokens: int, block_manager: BlockManager):
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.block_manager = block_manager
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.num_preemptions = 0
+
+    def add(self, seq: Sequence):
+        seq.status = SequenceStatus.WAITING
+        self.waiting.append(seq)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> ScheduledBatch | None:
+        budget = self.max_num_batched_tokens
+        scheduled: list[tuple[Sequence, int]] = []
+        preempted = False
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            n = min(seq.num_uncomputed_tokens, budget)
+            while not self.block_manager.allocate(seq, n):
+                victim = self.running.pop()
+                self._preempt(victim)
+                preempted = True
+                if victim is seq:
+                    break
+            else:
+                scheduled.append((seq, n))
+                budget -= n
+                i += 1
+        # Admit new work only when nothing had to be preempted: the cache is tight otherwise.
+        while not preempted and self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            seq = self.waiting[0]
+            cached = self.block_manager.lookup_prefix(seq) if seq.num_computed_tokens == 0 else []
+            n = min(seq.num_tokens - len(cached) * self.block_manager.block_size, budget)
+            if not self.block_manager.allocate(seq, n, cached):
+                break
+            if seq.num_preemptions == 0:
+                self.block_manager.record_prefix_query(seq.num_tokens, seq.num_cached_tokens)
+            self.waiting.popleft()
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            scheduled.append((seq, n))
+            budget -= n
+        if not scheduled:
+            if self.running or self.waiting:
+                raise RuntimeError("scheduler made no progress: the KV cache is too small for one sequence")
+            return None
+        # Decodes first: attention backends run a decode kernel on that leading slice.
+        scheduled.sort(key=lambda item: item[1] != 1)
+        num_decodes = sum(1 for _, n in scheduled if n == 1)
+        return ScheduledBatch([s for s, _ in scheduled], [n for _, n in scheduled], num_decodes)
+
+    def _preempt(self, seq: Sequence):
+        self.block_manager.free(seq)
+        seq.num_computed_tokens = 0
+        seq.status = SequenceStatus.WAITING
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(seq)
+
+    def finish_computation(self, batch: ScheduledBatch):
+        """The step ran: advance each sequence's computed count and publish its full blocks."""
+        for seq, n in zip(batch.seqs, batch.num_new_tokens):
+            seq.num_computed_tokens += n
+            self.block_manager.cache_full_blocks(seq)
+
+    def finish(self, seq: Sequence, reason: str):
+        """Remove seq from the queues (finished, stopped or aborted) and release its blocks."""
+        if seq.status == SequenceStatus.RUNNING:
+            self.running.remove(seq)
+        elif seq.status == SequenceStatus.WAITING:
+            self.waiting.remove(seq)
+        else:
+            return
+        self.block_manager.free(seq)
+        self.block_manager.forget(seq)
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason = reason

@@ -1,0 +1,71 @@
+"""A request in flight: its tokens, how many of them have KV in the cache, and its blocks."""
+from enum import Enum, auto
+from itertools import count
+
+from nanovllm.sampling_params import SamplingParams
+
+
+class SequenceStatus(Enum):
+    WAITING = auto()
+    RUNNING = auto()
+    FINISHED = auto()
+
+
+class Sequence:
+    _ids = count()
+
+    def __init__(self, token_ids: list[int], sampling_params: SamplingParams, seed: int,
+                 request_id=None, index: int = 0):
+        self.seq_id = next(Sequence._ids)
+        self.request_id = self.seq_id if request_id is None else request_id
+        self.index = index  # which of the request's n completions this is
+        self.token_ids = list(token_ids)
+        self.num_prompt_tokens = len(token_ids)
+        # KV of token_ids[:num_computed_tokens] is in the cache; the scheduler advances it.
+        self.num_computed_tokens = 0
+        self.num_cached_tokens = 0  # prompt tokens served by the prefix cache at admission
+        self.block_table: list[int] = []
+        self.status = SequenceStatus.WAITING
+        self.sampling_params = sampling_params
+        self.seed = seed  # drives this sequence's sampling noise, independent of the batch
+        self.finish_reason: str | None = None
+        self.stop_reason: int | str | None = None
+        self.logprobs: list[dict] | None = [] if sampling_params.logprobs is not None else None
+        self.num_preemptions = 0
+        # Timestamps for metrics (filled by the engine).
+        self.arrival_time = 0.0
+        self.first_token_time: float | None = None
+
+    def __len__(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_completion_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def prompt_token_ids(self) -> list[int]:
+        return self.token_ids[:self.num_prompt_tokens]
+
+    @property
+    def completion_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens:]
+
+    @property
+    def last_token(self) -> int:
+        return self.token_ids[-1]
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status == SequenceStatus.FINISHED
+
+    @property
+    def num_uncomputed_tokens(self) -> int:
+        return len(self.token_ids) - self.num_computed_tokens
+
+    def append_token(self, token_id: int):
+        self.token_ids.append(token_id)

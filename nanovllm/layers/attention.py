@@ -1,0 +1,20 @@
+import torch
+from torch import nn
+
+from nanovllm.attention.base import AttentionBackend, AttentionMetadata
+
+
+class Attention(nn.Module):
+    """One layer's attention over the paged KV cache. The model runner binds the layer's cache
+    slices and the backend once at start-up; the per-step metadata arrives as an argument."""
+
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float):
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim, self.scale = num_heads, num_kv_heads, head_dim, scale
+        self.k_cache = self.v_cache = torch.tensor([])
+        self.backend: AttentionBackend | None = None
+
+    def forward(self, q, k, v, meta: AttentionMetadata) -> torch.Tensor:
+        # q: [T, Hq, D], k/v: [T, Hkv, D] -> [T, Hq * D]
+        o = self.backend.forward(q, k, v, self.k_cache, self.v_cache, meta, self.scale)
+        return o.flatten(-2)

@@ -1,0 +1,24 @@
+import torch
+from torch import nn
+
+
+class RMSNorm(nn.Module):
+    """RMSNorm computed in fp32 like the HF reference; with a residual, the add is fused in and
+    the updated residual returned (pre-norm transformer blocks)."""
+
+    def __init__(self, hidden_size: int, eps: float = 1e-6):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(hidden_size), requires_grad=False)
+
+    def _norm(self, x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        variance = x.pow(2).mean(dim=-1, keepdim=True)
+        return self.weight * (x * torch.rsqrt(variance + self.eps)).to(dtype)
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        dtype = x.dtype
+        if residual is None:
+            return self._norm(x.float(), dtype)
+        x = x.float() + residual.float()
+        residual = x.to(dtype)
+        return self._norm(x, dtype), residual

@@ -1,0 +1,101 @@
+"""Linear layers that know how to load (and shard) their checkpoint weights.
+
+Each parameter carries a `weight_loader(param, loaded_weight, shard_id=None)`; fused layers
+(qkv, gate_up) place each checkpoint tensor at its offset, and tensor-parallel layers keep only
+their rank's slice, so the model code never sees the sharding.
+"""
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from nanovllm.distributed import all_reduce, tp_rank, tp_size
+
+
+def _divide(a: int, b: int) -> int:
+    if a % b:
+        raise ValueError(f"{a} is not divisible by tensor_parallel_size={b}")
+    return a // b
+
+
+class LinearBase(nn.Module):
+    def __init__(self, in_features: int, out_features: int, bias: bool, shard_dim: int | None):
+        super().__init__()
+        self.shard_dim = shard_dim  # 0: output dim split across ranks, 1: input dim, None: replicated
+        self.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
+        self.weight.weight_loader = self.weight_loader
+        if bias:
+            self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False)
+            self.bias.weight_loader = self.weight_loader
+        else:
+            self.register_parameter("bias", None)
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None):
+        dim = self.shard_dim
+        if dim is not None and dim < loaded.dim() and tp_size() > 1:
+            size = param.shape[dim]
+            loaded = loaded.narrow(dim, tp_rank() * size, size)
+        param.data.copy_(loaded)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+class ReplicatedLinear(LinearBase):
+    def __init__(self, in_features: int, out_features: int, bias: bool = False):
+        super().__init__(in_features, out_features, bias, None)
+
+
+class ColumnParallelLinear(LinearBase):
+    def __init__(self, in_features: int, out_features: int, bias: bool = False):
+        super().__init__(in_features, _divide(out_features, tp_size()), bias, 0)
+
+
+class MergedColumnParallelLinear(ColumnParallelLinear):
+    """Several column-parallel projections of one input fused into one matmul (gate_up)."""
+
+    def __init__(self, in_features: int, output_sizes: list[int], bias: bool = False):
+        self.output_sizes = output_sizes
+        super().__init__(in_features, sum(output_sizes), bias)
+
+    def weight_loader(self, param, loaded, shard_id: int):
+        n = tp_size()
+        offset = sum(self.output_sizes[:shard_id]) // n
+        size = self.output_sizes[shard_id] // n
+        loaded = loaded.narrow(0, tp_rank() * size, size)
+        param.data.narrow(0, offset, size).copy_(loaded)
+
+
+class QKVParallelLinear(ColumnParallelLinear):
+    """q, k and v projections fused. With fewer KV heads than ranks, KV heads are replicated."""
+
+    def __init__(self, hidden_size: int, head_dim: int, num_heads: int, num_kv_heads: int, bias: bool = False):
+        n = tp_size()
+        self.head_dim = head_dim
+        self.num_heads = _divide(num_heads, n)
+        self.num_kv_heads = max(1, num_kv_heads // n) if num_kv_heads < n else _divide(num_kv_heads, n)
+        self.kv_replicas = max(1, n // num_kv_heads)
+        out = (self.num_heads + 2 * self.num_kv_heads) * head_dim
+        LinearBase.__init__(self, hidden_size, out, bias, 0)
+
+    def weight_loader(self, param, loaded, shard_id: str):
+        d = self.head_dim
+        q_size, kv_size = self.num_heads * d, self.num_kv_heads * d
+        if shard_id == "q":
+            offset, size, rank = 0, q_size, tp_rank()
+        else:
+            offset = q_size if shard_id == "k" else q_size + kv_size
+            size, rank = kv_size, tp_rank() // self.kv_replicas
+        loaded = loaded.narrow(0, rank * size, size)
+        param.data.narrow(0, offset, size).copy_(loaded)
+
+
+class RowParallelLinear(LinearBase):
+    """Input dim split across ranks; partial products are summed with one all-reduce."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = False):
+        super().__init__(_divide(in_features, tp_size()), out_features, bias, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Bias is added once, after the reduction.
+        y = F.linear(x, self.weight, self.bias if tp_rank() == 0 else None)
+        return all_reduce(y)

@@ -1,0 +1,72 @@
+"""Build a model from config.json and fill it from *.safetensors (or with random weights)."""
+import glob
+import os
+
+import torch
+from safetensors import safe_open
+from torch import nn
+
+from nanovllm.models.registry import get_model_class
+
+
+def build_model(hf_config, dtype: torch.dtype, device: torch.device) -> nn.Module:
+    model_cls = get_model_class(hf_config)
+    prev = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with device:
+            model = model_cls(hf_config)
+    finally:
+        torch.set_default_dtype(prev)
+    return model.eval()
+
+
+def load_weights(model: nn.Module, path: str):
+    files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors files in {path!r} (use load_format='dummy' for random weights)")
+    params = dict(model.named_parameters())
+    packed = getattr(model, "packed_modules_mapping", {})
+    loaded: set[str] = set()
+    for file in files:
+        with safe_open(file, "pt", "cpu") as f:
+            for name in f.keys():
+                if "rotary_emb.inv_freq" in name:
+                    continue
+                if name == "lm_head.weight" and getattr(model, "tie_word_embeddings", False):
+                    continue
+                target, shard_id = name, None
+                for ckpt_name, (fused_name, sid) in packed.items():
+                    if f".{ckpt_name}." in name:
+                        target, shard_id = name.replace(f".{ckpt_name}.", f".{fused_name}."), sid
+                        break
+                param = params.get(target)
+                if param is None:
+                    raise ValueError(f"checkpoint tensor {name!r} has no matching parameter in {type(model).__name__}")
+                tensor = f.get_tensor(name)
+                loader = getattr(param, "weight_loader", None)
+                if loader is None:
+                    param.data.copy_(tensor)
+                elif shard_id is None:
+                    loader(param, tensor)
+                else:
+                    loader(param, tensor, shard_id)
+                loaded.add(target)
+    missing = [n for n in params if n not in loaded and not (n == "lm_head.weight" and model.tie_word_embeddings)]
+    if missing:
+        raise ValueError(f"checkpoint in {path!r} lacks weights for: {', '.join(missing[:8])}"
+                         + (" ..." if len(missing) > 8 else ""))
+
+
+@torch.no_grad()
+def init_dummy_weights(model: nn.Module, seed: int):
+    """Random weights for benchmarks: small normals for matrices, ones for norms, zero biases."""
+    gen_device = next(model.parameters()).device
+    gen = torch.Generator(device=gen_device).manual_seed(seed)
+    for name, param in model.named_parameters():
+        if name.endswith("norm.weight"):
+            param.fill_(1.0)
+        elif name.endswith("bias"):
+            param.zero_()
+        else:
+            param.normal_(0.0, 0.02, generator=gen)

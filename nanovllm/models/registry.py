@@ -1,0 +1,17 @@
+from nanovllm.models.llama import DecoderForCausalLM, LlamaForCausalLM
+from nanovllm.models.qwen import Qwen2ForCausalLM, Qwen3ForCausalLM
+
+MODEL_REGISTRY: dict[str, type[DecoderForCausalLM]] = {
+    "LlamaForCausalLM": LlamaForCausalLM,
+    "Qwen2ForCausalLM": Qwen2ForCausalLM,
+    "Qwen3ForCausalLM": Qwen3ForCausalLM,
+}
+
+
+def get_model_class(hf_config) -> type[DecoderForCausalLM]:
+    archs = getattr(hf_config, "architectures", None) or []
+    for arch in archs:
+        if arch in MODEL_REGISTRY:
+            return MODEL_REGISTRY[arch]
+    raise ValueError(f"unsupported model architecture {archs or '(none in config.json)'}; "
+                     f"supported: {', '.join(sorted(MODEL_REGISTRY))}")

@@ -1,0 +1,102 @@
+"""Per-request sampling parameters, with vLLM's names, meanings and ranges."""
+from dataclasses import dataclass, field
+
+_INT32_MAX = 2**31 - 1
+
+
+@dataclass
+class SamplingParams:
+    temperature: float = 1.0
+    max_tokens: int = 64
+    ignore_eos: bool = False
+    top_p: float = 1.0
+    top_k: int = -1
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    include_stop_str_in_output: bool = False
+    min_tokens: int = 0
+    seed: int | None = None
+    logprobs: int | None = None
+    n: int = 1
+    skip_special_tokens: bool = True
+    stop_list: list[str] = field(init=False, repr=False)
+
+    def __post_init__(self):
+        _number("temperature", self.temperature, lo=0.0, allowed="a number >= 0 (0 means greedy)")
+        _integer("max_tokens", self.max_tokens, lo=1, allowed="an integer >= 1")
+        _number("top_p", self.top_p, lo=0.0, hi=1.0, lo_open=True, allowed="a number in (0, 1]")
+        _integer("top_k", self.top_k, lo=-1, allowed="-1 or 0 (disabled) or a positive integer")
+        _number("min_p", self.min_p, lo=0.0, hi=1.0, allowed="a number in [0, 1]")
+        _number("presence_penalty", self.presence_penalty, lo=-2.0, hi=2.0, allowed="a number in [-2, 2]")
+        _number("frequency_penalty", self.frequency_penalty, lo=-2.0, hi=2.0, allowed="a number in [-2, 2]")
+        _number("repetition_penalty", self.repetition_penalty, lo=0.0, lo_open=True, allowed="a number > 0")
+        _integer("min_tokens", self.min_tokens, lo=0, allowed="an integer >= 0")
+        if self.min_tokens > self.max_tokens:
+            raise ValueError(f"min_tokens must be <= max_tokens ({self.max_tokens}), got {self.min_tokens}")
+        _integer("n", self.n, lo=1, allowed="an integer >= 1")
+        if self.seed is not None:
+            _integer("seed", self.seed, lo=-(2**63), allowed="an integer or None")
+        if self.logprobs is not None:
+            _integer("logprobs", self.logprobs, lo=0, hi=20, allowed="an integer in [0, 20] or None")
+        for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
+        if self.stop is None:
+            self.stop_list = []
+        elif isinstance(self.stop, str):
+            self.stop_list = [self.stop]
+        elif isinstance(self.stop, (list, tuple)) and all(isinstance(s, str) for s in self.stop):
+            self.stop_list = list(self.stop)
+        else:
+            raise ValueError(f"stop must be a string or a list of strings, got {self.stop!r}")
+        if any(s == "" for s in self.stop_list):
+            raise ValueError("stop must not contain empty strings")
+        if self.stop_token_ids is None:
+            self.stop_token_ids = []
+        elif not (isinstance(self.stop_token_ids, (list, tuple))
+                  and all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t <= _INT32_MAX
+                          for t in self.stop_token_ids)):
+            raise ValueError(f"stop_token_ids must be a list of non-negative token ids, got {self.stop_token_ids!r}")
+        else:
+            self.stop_token_ids = list(self.stop_token_ids)
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature < 1e-5
+
+    @property
+    def uses_filters(self) -> bool:
+        return self.top_p < 1.0 or self.top_k > 0 or self.min_p > 0.0
+
+    @property
+    def uses_penalties(self) -> bool:
+        return (self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+                or self.repetition_penalty != 1.0)
+
+
+def _is_number(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and v == v  # v == v rejects NaN
+
+
+def _number(name, value, lo=None, hi=None, lo_open=False, allowed=""):
+    ok = _is_number(value)
+    if ok and lo is not None:
+        ok = value > lo if lo_open else value >= lo
+    if ok and hi is not None:
+        ok = value <= hi
+    if not ok:
+        raise ValueError(f"{name} must be {allowed}, got {value!r}")
+
+
+def _integer(name, value, lo=None, hi=None, allowed=""):
+    ok = isinstance(value, int) and not isinstance(value, bool)
+    if ok and lo is not None:
+        ok = value >= lo
+    if ok and hi is not None:
+        ok = value <= hi
+    if not ok:
+        raise ValueError(f"{name} must be {allowed}, got {value!r}")

@@ -1,0 +1,31 @@
+import os
+import sys
+
+import pytest
+
+sys.path.insert(0, os.path.dirname(__file__))
+from helpers import HFReference, make_model  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def model_factory(tmp_path_factory):
+    """make(arch, with_tokenizer=True) -> path of a tiny random model, built once per session."""
+    made = {}
+
+    def make(arch: str, with_tokenizer: bool = True) -> str:
+        key = (arch, with_tokenizer)
+        if key not in made:
+            made[key] = make_model(str(tmp_path_factory.mktemp(f"{arch}_{int(with_tokenizer)}")), arch, with_tokenizer)
+        return made[key]
+    return make
+
+
+@pytest.fixture(scope="session")
+def hf_reference(model_factory):
+    refs = {}
+
+    def get(arch: str) -> HFReference:
+        if arch not in refs:
+            refs[arch] = HFReference(model_factory(arch))
+        return refs[arch]
+    return get

@@ -1,0 +1,109 @@
+"""Shared test utilities: tiny random models and greedy parity with HF transformers."""
+import os
+
+import torch
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from transformers import AutoModelForCausalLM, LlamaConfig, PreTrainedTokenizerFast, Qwen2Config, Qwen3Config
+
+CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+          "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+_CORPUS = [
+    "The quick brown fox jumps over the lazy dog.", "Hello, world! How are you today?",
+    "list all prime numbers within 100", "introduce yourself", "What is the capital of France?",
+    "Paris is the capital of France. Berlin is the capital of Germany.",
+    "2 3 5 7 11 13 17 19 23 29 31 37 41 43 47 53 59 61 67 71 73 79 83 89 97",
+    "def main():\n    print('hello')\n", "Über café naïve — ünïcödé 東京 🚀",
+] * 20
+
+
+def make_tokenizer(path: str, vocab_size: int = 400):
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tok.train_from_iterator(_CORPUS, trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>",
+                                   bos_token=None)
+    fast.chat_template = CHATML
+    fast.save_pretrained(path)
+    return fast
+
+
+ARCHS = {
+    # head_dim 32 != hidden/heads = 16; GQA ratio 2; tied embeddings.
+    "qwen3": lambda: Qwen3Config(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                 num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+                                 max_position_embeddings=1024, tie_word_embeddings=True, rope_theta=10000.0),
+    # GQA ratio 3 with qkv bias; untied.
+    "qwen2": lambda: Qwen2Config(vocab_size=512, hidden_size=96, intermediate_size=160, num_hidden_layers=2,
+                                 num_attention_heads=6, num_key_value_heads=2, max_position_embeddings=1024,
+                                 tie_word_embeddings=False, rope_theta=1000000.0),
+    # A single KV head (ratio 4), Llama-3 rope scaling, untied.
+    "llama": lambda: LlamaConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                 num_attention_heads=4, num_key_value_heads=1, max_position_embeddings=1024,
+                                 tie_word_embeddings=False, rope_theta=500000.0,
+                                 rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                               "high_freq_factor": 4.0, "original_max_position_embeddings": 256}),
+    # Multi-head attention (ratio 1), tied.
+    "llama_mha": lambda: LlamaConfig(vocab_size=512, hidden_size=64, intermediate_size=96, num_hidden_layers=3,
+                                     num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=1024,
+                                     tie_word_embeddings=True),
+}
+
+
+def make_model(path: str, arch: str, with_tokenizer: bool = True, seed: int = 0) -> str:
+    config = ARCHS[arch]()
+    config.initializer_range = 0.25  # peaked distributions: fewer greedy near-ties than HF's 0.02
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    os.makedirs(path, exist_ok=True)
+    if with_tokenizer:
+        tok = make_tokenizer(path)
+        model.config.eos_token_id = tok.eos_token_id
+        model.generation_config.eos_token_id = tok.eos_token_id
+    model.save_pretrained(path, safe_serialization=True)
+    return path
+
+
+class HFReference:
+    """Greedy continuations and logits from HF transformers (fp32, CPU), cached per model."""
+
+    def __init__(self, path: str):
+        self.model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+        self._cache = {}
+
+    @torch.no_grad()
+    def greedy(self, prompt: list[int], max_new_tokens: int):
+        key = (tuple(prompt), max_new_tokens)
+        if key not in self._cache:
+            out = self.model.generate(torch.tensor([prompt]), max_new_tokens=max_new_tokens, do_sample=False,
+                                      eos_token_id=None, pad_token_id=0, output_scores=True,
+                                      return_dict_in_generate=True, min_new_tokens=max_new_tokens)
+            tokens = out.sequences[0, len(prompt):].tolist()
+            scores = [s[0].float() for s in out.scores]
+            self._cache[key] = (tokens, scores)
+        return self._cache[key]
+
+    @torch.no_grad()
+    def logits(self, token_ids: list[int]) -> torch.Tensor:
+        return self.model(torch.tensor([token_ids])).logits[0].float()
+
+
+NEAR_TIE = 1e-4  # top-2 logit gap (fp32) under which a greedy divergence is a tie, not a bug
+
+
+def assert_greedy_match(ours: list[int], hf_tokens: list[int], hf_scores: list[torch.Tensor], what: str = ""):
+    """Token-exact, except that at a near-tie in the reference the two may pick either token;
+    after such a divergence the continuations are no longer comparable."""
+    for i, (a, b) in enumerate(zip(ours, hf_tokens)):
+        if a == b:
+            continue
+        top2 = hf_scores[i].topk(2)
+        gap = float(top2.values[0] - top2.values[1])
+        tied = gap < NEAR_TIE and a in top2.indices.tolist()
+        assert tied, (f"{what}: token {i} differs (ours {a}, HF {b}); HF top-2 gap {gap:.3g} is not a near-tie\n"
+                      f"ours {ours}\nHF   {hf_tokens}")
+        return
+    assert len(ours) == len(hf_tokens), f"{what}: lengths differ: {len(ours)} vs {len(hf_tokens)}"
