@@ -1,5 +1,6 @@
 """The offline entry point: `LLM(model, **config).generate(prompts, sampling_params)`."""
 import time
+from collections.abc import Iterator
 from itertools import count
 
 from tqdm.auto import tqdm
@@ -7,6 +8,7 @@ from tqdm.auto import tqdm
 from nanovllm.config import Config
 from nanovllm.engine.llm_engine import LLMEngine
 from nanovllm.engine.sequence import Sequence
+from nanovllm.models.model_path import resolve_model_path
 from nanovllm.sampling_params import SamplingParams
 
 
@@ -16,7 +18,6 @@ class LLM:
         if unknown:
             raise TypeError(f"LLM() got unexpected keyword argument(s): {', '.join(unknown)}; "
                             f"valid options are the fields of nanovllm.config.Config")
-        from nanovllm.models.gguf_convert import resolve_model_path
         config = Config(resolve_model_path(model), **kwargs)
         self.config = config
         self.engine = LLMEngine(config)
@@ -73,6 +74,31 @@ class LLM:
         # The template already holds any special tokens: tokenize without adding them again.
         token_ids = [tokenizer.encode(p, add_special_tokens=False) for p in prompts]
         return self.generate(token_ids, sampling_params, use_tqdm=use_tqdm)
+
+    def stream(self, prompt, sampling_params: SamplingParams | None = None) -> Iterator[str]:
+        """The text of one completion, yielded piece by piece as it is generated."""
+        sp = sampling_params or SamplingParams()
+        if sp.n != 1:
+            raise ValueError(f"stream() produces one completion: n must be 1, got {sp.n}")
+        if self.engine.tokenizer is None:
+            raise ValueError(f"model {self.config.model!r} has no tokenizer: there is no text to stream")
+        token_ids = self.engine.tokenize(prompt)
+        request_id = next(self._request_ids)
+        seq, = self.engine.add_request(request_id, token_ids, sp)
+        processor = self.engine.output_processor
+        processor.watch(seq)
+        try:
+            while not seq.is_finished:
+                self.engine.step()
+                delta = processor.take_delta(seq)
+                if delta:
+                    yield delta
+            delta = processor.take_delta(seq)
+            if delta:
+                yield delta
+        finally:
+            if not seq.is_finished:
+                self.engine.abort_request(request_id)
 
     def _request_output(self, seqs: list[Sequence]) -> dict:
         outputs = [self._completion(seq) for seq in seqs]

@@ -24,6 +24,10 @@ class AttentionMetadata:
     # Host copies of the ragged layout, for backends that loop over sequences on the host.
     query_start_loc_host: list[int] | None = None
     seq_lens_host: list[int] | None = None
+    # query_start_loc of the sequences after the decodes, rebased to start at 0.
+    prefill_query_start_loc: torch.Tensor | None = None
+    # Longest context any sequence may reach: a fixed bound for kernels captured in CUDA graphs.
+    max_seq_len_bound: int | None = None
 
     @property
     def num_decode_tokens(self) -> int:
@@ -42,8 +46,9 @@ class AttentionBackend(ABC):
         Hkv, D]. Stores k/v at meta.slot_mapping, then attends each new token to its sequence's
         context. Returns [T, Hq, D]."""
 
-    def prepare(self, meta: AttentionMetadata):
-        """Per-step hook before the forward (e.g. kernel work-partitioning)."""
+    def setup(self, max_num_seqs: int, num_q_heads: int, num_kv_heads: int, head_dim: int,
+              max_model_len: int, device: torch.device):
+        """Called once at start-up with the largest shapes, to preallocate work buffers."""
 
 
 def get_attention_backend(name: str, device: torch.device) -> AttentionBackend:

@@ -27,7 +27,11 @@ class LLMEngine:
                 f"max_model_len={config.max_model_len}: lower max_model_len or give the cache more memory "
                 "(num_kvcache_blocks, kv_cache_memory_bytes or gpu_memory_utilization)")
         self.block_manager = BlockManager(num_blocks, config.kvcache_block_size, config.enable_prefix_caching)
-        self.scheduler = Scheduler(config.max_num_seqs, config.max_num_batched_tokens, self.block_manager)
+        self.scheduler = Scheduler(config.max_num_seqs, config.max_num_batched_tokens, self.block_manager,
+                                   config.max_model_len)
+        # On a GPU, step N+1 is launched before step N's tokens are read back.
+        self.overlap = config.device.type == "cuda" and config.tensor_parallel_size == 1
+        self._in_flight = None
         self.output_processor = OutputProcessor(self.eos_token_ids, config.max_model_len, self.tokenizer)
         self.vocab_size = config.hf_config.vocab_size
         self._seed_rng = random.Random(config.seed)
@@ -83,28 +87,50 @@ class LLMEngine:
             self.scheduler.finish(seq, "abort")
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished()
+        return self.scheduler.has_unfinished() or self._in_flight is not None
 
     # ---- the loop -----------------------------------------------------------------------
     def step(self) -> tuple[list[Sequence], int, int]:
-        """One forward pass. Returns (sequences finished by it, prefill tokens, decode tokens)."""
+        """Schedule and launch one forward pass, then take in the results of the previous one
+        (on a GPU, so the host's work overlaps the device's) or of this one (on the CPU).
+        Returns (sequences that finished, prefill tokens launched, decode tokens launched)."""
         batch = self.scheduler.schedule()
+        launched = None
+        if batch is not None:
+            output = self.model_runner.execute(batch)
+            self.scheduler.advance(batch)
+            for seq in output.seqs:
+                seq.append_pending()
+            launched = (batch, output)
+        if self.overlap:
+            done, self._in_flight = self._in_flight, launched
+        else:
+            done = launched
+        finished = self._process(*done) if done is not None else []
         if batch is None:
-            return [], 0, 0
-        rows, tokens = self.model_runner.execute(batch)
-        self.scheduler.finish_computation(batch)
+            return finished, 0, 0
+        return finished, batch.num_tokens - batch.num_decodes, batch.num_decodes
+
+    def _process(self, batch, output) -> list[Sequence]:
         finished = []
         now = time.perf_counter()
-        for row, token in zip(rows, tokens):
-            seq = batch.seqs[row]
+        for seq, token in zip(output.seqs, output.token_ids()):
+            if seq.is_finished:  # stopped or aborted while this step was in flight
+                continue
+            seq.resolve_pending(token)
             if seq.first_token_time is None:
                 seq.first_token_time = now
-            reason = self.output_processor.append(seq, token)
+            reason = self.output_processor.check(seq, token)
             if reason is not None:
                 self.scheduler.finish(seq, reason)
                 finished.append(seq)
-        num_decode = batch.num_decodes
-        return finished, batch.num_tokens - num_decode, num_decode
+        self.scheduler.publish(batch)
+        return finished
+
+    def drain(self) -> list[Sequence]:
+        """Take in the results of the step still in flight, if any."""
+        done, self._in_flight = self._in_flight, None
+        return self._process(*done) if done is not None else []
 
     def shutdown(self):
         runner = getattr(self, "model_runner", None)

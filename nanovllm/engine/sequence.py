@@ -5,6 +5,9 @@ from itertools import count
 from nanovllm.sampling_params import SamplingParams
 
 
+PENDING_TOKEN = -1  # placeholder for a token the device has sampled but the host has not read
+
+
 class SequenceStatus(Enum):
     WAITING = auto()
     RUNNING = auto()
@@ -32,6 +35,8 @@ class Sequence:
         self.stop_reason: int | str | None = None
         self.logprobs: list[dict] | None = [] if sampling_params.logprobs is not None else None
         self.num_preemptions = 0
+        # Trailing entries of token_ids sampled on the device but not yet seen by the host.
+        self.num_pending_tokens = 0
         # Timestamps for metrics (filled by the engine).
         self.arrival_time = 0.0
         self.first_token_time: float | None = None
@@ -69,3 +74,16 @@ class Sequence:
 
     def append_token(self, token_id: int):
         self.token_ids.append(token_id)
+
+    def append_pending(self):
+        self.token_ids.append(PENDING_TOKEN)
+        self.num_pending_tokens += 1
+
+    def resolve_pending(self, token_id: int):
+        self.token_ids[len(self.token_ids) - self.num_pending_tokens] = token_id
+        self.num_pending_tokens -= 1
+
+    def drop_pending(self):
+        if self.num_pending_tokens:
+            del self.token_ids[-self.num_pending_tokens:]
+            self.num_pending_tokens = 0

@@ -15,6 +15,9 @@ class ForwardBatch:
     attn: AttentionMetadata
     logits_indices: torch.Tensor  # [S] rows of the hidden states to sample from
     sample_rows: list[int]        # which sequences of the batch sample this step
+    # Inputs sampled by the previous step and not yet seen by the host: input_ids[dst] = last[src].
+    pending_dst: torch.Tensor | None = None
+    pending_src: torch.Tensor | None = None
 
 
 def _to_device(array: np.ndarray, device: torch.device) -> torch.Tensor:
@@ -24,7 +27,8 @@ def _to_device(array: np.ndarray, device: torch.device) -> torch.Tensor:
     return t
 
 
-def build_forward_batch(batch: ScheduledBatch, block_size: int, device: torch.device) -> ForwardBatch:
+def build_forward_batch(batch: ScheduledBatch, block_size: int, device: torch.device,
+                        last_row_of_seq: dict[int, int] | None = None) -> ForwardBatch:
     seqs, counts = batch.seqs, batch.num_new_tokens
     num_seqs = len(seqs)
     total = sum(counts)
@@ -35,11 +39,18 @@ def build_forward_batch(batch: ScheduledBatch, block_size: int, device: torch.de
     max_blocks = max(len(s.block_table) for s in seqs)
     block_tables = np.zeros((num_seqs, max_blocks), dtype=np.int32)
     logits_indices, sample_rows = [], []
+    pending_dst, pending_src = [], []
     pos = 0
     for i, (seq, n) in enumerate(zip(seqs, counts)):
         start = seq.num_computed_tokens
         end = start + n
-        input_ids[pos:pos + n] = seq.token_ids[start:end]
+        if seq.num_pending_tokens:
+            # Only a decode can be pending: its one input is the previous step's sample.
+            input_ids[pos] = 0
+            pending_dst.append(pos)
+            pending_src.append(last_row_of_seq[seq.seq_id])
+        else:
+            input_ids[pos:pos + n] = seq.token_ids[start:end]
         positions[pos:pos + n] = np.arange(start, end)
         pos += n
         query_start[i + 1] = pos
@@ -62,6 +73,8 @@ def build_forward_batch(batch: ScheduledBatch, block_size: int, device: torch.de
         max_seq_len=int(seq_lens.max()),
         query_start_loc_host=query_start.tolist(),
         seq_lens_host=seq_lens.tolist(),
+        prefill_query_start_loc=(_to_device(query_start[batch.num_decodes:] - batch.num_decodes, device)
+                                 if batch.num_decodes < num_seqs else None),
     )
     return ForwardBatch(
         input_ids=_to_device(input_ids, device),
@@ -69,4 +82,6 @@ def build_forward_batch(batch: ScheduledBatch, block_size: int, device: torch.de
         attn=attn,
         logits_indices=_to_device(np.asarray(logits_indices, dtype=np.int64), device),
         sample_rows=sample_rows,
+        pending_dst=_to_device(np.asarray(pending_dst, dtype=np.int64), device) if pending_dst else None,
+        pending_src=_to_device(np.asarray(pending_src, dtype=np.int64), device) if pending_src else None,
     )

@@ -1,16 +1,42 @@
-"""Owns the model, its paged KV cache and the sampler on one device (one tensor-parallel rank)."""
+"""Owns the model, its paged KV cache, the sampler and the CUDA graphs on one device (one
+tensor-parallel rank). `execute` launches a step and returns at once; the sampled tokens are
+fetched later, so on a GPU the host prepares the next step while this one runs."""
 import torch
 
 from nanovllm.attention.base import get_attention_backend
 from nanovllm.config import Config
 from nanovllm.distributed import set_tensor_parallel
 from nanovllm.engine.scheduler import ScheduledBatch
+from nanovllm.engine.sequence import Sequence
 from nanovllm.layers.sampler import Sampler
 from nanovllm.models.loader import build_model, init_dummy_weights, load_weights
 from nanovllm.worker.inputs import build_forward_batch
 from nanovllm.worker.sampling_inputs import build_sampling_metadata
 
 _CPU_DEFAULT_KV_BYTES = 1 << 30
+
+
+class StepOutput:
+    """Tokens sampled by one step, still on the device until `token_ids()` is called."""
+
+    def __init__(self, seqs: list[Sequence], tokens: torch.Tensor | None):
+        self.seqs = seqs
+        self._tokens = tokens
+        self._host = None
+        self._event = None
+        if tokens is not None and tokens.is_cuda:
+            self._host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
+            self._host.copy_(tokens, non_blocking=True)
+            self._event = torch.cuda.Event()
+            self._event.record()
+
+    def token_ids(self) -> list[int]:
+        if self._tokens is None:
+            return []
+        if self._event is not None:
+            self._event.synchronize()
+            return self._host.tolist()
+        return self._tokens.tolist()
 
 
 class ModelRunner:
@@ -28,9 +54,25 @@ class ModelRunner:
         self.sampler = Sampler()
         self.backend = get_attention_backend(config.attention_backend, self.device)
         self.num_kv_heads, self.head_dim = self.model.kv_cache_shape()
+        self.num_q_heads = self.model.attention_layers[0].num_heads
         self.num_layers = len(self.model.attention_layers)
+        self.max_blocks_per_seq = -(-config.max_model_len // self.block_size)
+        self.backend.setup(config.max_num_seqs, self.num_q_heads, self.num_kv_heads, self.head_dim,
+                           config.max_model_len, self.device)
+        for attn in self.model.attention_layers:
+            attn.backend = self.backend
         self.num_blocks = self._num_kv_blocks()
         self.kv_cache = self._allocate_kv_cache(self.num_blocks)
+        # The last step's sampled tokens stay on the device: the next step reads its inputs there.
+        self._last_sampled: torch.Tensor | None = None
+        self._last_row_of_seq: dict[int, int] = {}
+        self.graph_runner = None
+        if self.device.type == "cuda" and not config.enforce_eager and self.backend.supports_cuda_graphs:
+            from nanovllm.worker.cuda_graph import CUDAGraphRunner
+            self.graph_runner = CUDAGraphRunner(self.model, config.max_num_seqs, self.max_blocks_per_seq,
+                                                config.hf_config.hidden_size, config.torch_dtype, self.device,
+                                                config.max_model_len)
+            self.graph_runner.capture()
 
     # ---- KV cache -----------------------------------------------------------------------
     @property
@@ -46,43 +88,59 @@ class ModelRunner:
         if cfg.kv_cache_memory_bytes is not None:
             budget = cfg.kv_cache_memory_bytes
         elif self.device.type == "cuda":
-            budget = self._profile_free_gpu_memory()
+            from nanovllm.worker.gpu_memory import profile_kv_budget
+            budget = profile_kv_budget(self)
         else:
             # Enough for every sequence at full length, within a modest default for a laptop.
             want = cfg.max_num_seqs * (cfg.max_model_len + self.block_size)
             budget = min(_CPU_DEFAULT_KV_BYTES, want // self.block_size * self.block_bytes)
-            budget = max(budget, -(-cfg.max_model_len // self.block_size) * self.block_bytes)
+            budget = max(budget, self.max_blocks_per_seq * self.block_bytes)
         return max(1, budget // self.block_bytes)
-
-    def _profile_free_gpu_memory(self) -> int:
-        from nanovllm.worker.gpu_memory import profile_kv_budget
-        return profile_kv_budget(self)
 
     def _allocate_kv_cache(self, num_blocks: int) -> torch.Tensor:
         # Zeroed: masked-out context slots are multiplied by zero weights, which NaN would poison.
         kv = torch.zeros(2, self.num_layers, num_blocks, self.block_size, self.num_kv_heads, self.head_dim,
                          dtype=self.config.torch_dtype, device=self.device)
-        self._bind_kv_cache(kv)
-        return kv
-
-    def _bind_kv_cache(self, kv: torch.Tensor):
         for i, attn in enumerate(self.model.attention_layers):
             attn.k_cache, attn.v_cache = kv[0, i], kv[1, i]
-            attn.backend = self.backend
+        return kv
+
+    @torch.inference_mode()
+    def warmup(self, num_tokens: int, num_seqs: int) -> int:
+        """Run a step of num_tokens prompt tokens over num_seqs sequences (all sampling), on a
+        temporary cache. Returns the temporary cache's size in bytes."""
+        from nanovllm.sampling_params import SamplingParams
+        per_seq = max(1, min(num_tokens // num_seqs, self.config.max_model_len - 1))
+        seqs = [Sequence([0] * per_seq, SamplingParams(temperature=1.0), seed=i) for i in range(num_seqs)]
+        blocks_per_seq = -(-per_seq // self.block_size)
+        for i, seq in enumerate(seqs):
+            seq.block_table = list(range(i * blocks_per_seq, (i + 1) * blocks_per_seq))
+        kv = self._allocate_kv_cache(num_seqs * blocks_per_seq)
+        batch = ScheduledBatch(seqs, [per_seq] * num_seqs, num_decodes=num_seqs if per_seq == 1 else 0)
+        self.execute(batch).token_ids()
+        self._last_sampled, self._last_row_of_seq = None, {}
+        bytes_ = kv.numel() * kv.element_size()
+        del kv
+        return bytes_
 
     # ---- one step -----------------------------------------------------------------------
     @torch.inference_mode()
-    def execute(self, batch: ScheduledBatch) -> tuple[list[int], list[int]]:
-        """Run one step. Returns (rows of the batch that sampled, their new token ids)."""
-        fb = build_forward_batch(batch, self.block_size, self.device)
-        self.backend.prepare(fb.attn)
-        hidden = self.model(fb.input_ids, fb.positions, fb.attn)
-        if not fb.sample_rows:
-            return [], []
+    def execute(self, batch: ScheduledBatch) -> StepOutput:
+        fb = build_forward_batch(batch, self.block_size, self.device, self._last_row_of_seq)
+        if fb.pending_dst is not None:
+            fb.input_ids[fb.pending_dst] = self._last_sampled[fb.pending_src]
+        if self.graph_runner is not None and self.graph_runner.can_run(fb.attn.num_seqs, fb.attn.num_decodes):
+            hidden = self.graph_runner.run(fb.input_ids, fb.positions, fb.attn)
+        else:
+            hidden = self.model(fb.input_ids, fb.positions, fb.attn)
+        seqs = [batch.seqs[i] for i in fb.sample_rows]
+        if not seqs:
+            return StepOutput([], None)
         logits = self.model.compute_logits(hidden[fb.logits_indices])
-        sampling = build_sampling_metadata([batch.seqs[i] for i in fb.sample_rows], self.device)
-        tokens = self.sampler(logits, sampling)
-        return fb.sample_rows, tokens.tolist()
+        tokens = self.sampler(logits, build_sampling_metadata(seqs, self.device))
+        self._last_sampled = tokens
+        self._last_row_of_seq = {seq.seq_id: row for row, seq in enumerate(seqs)}
+        return StepOutput(seqs, tokens)
 
     def shutdown(self):
         pass

@@ -1,0 +1,171 @@
+"""nano-vllm's throughput benchmark, reproduced exactly, with a roofline measured in the same run.
+
+    python bench.py                       # Qwen3-0.6B architecture, random bf16 weights
+    python bench.py --config benchmarks/configs/qwen3-8b.json
+    python bench.py --model /path/to/Qwen3-0.6B        # real weights
+    python bench.py --single              # one request: 128-token prompt, 512 new tokens, greedy
+
+Workload (nano-vllm's bench.py): random.seed(0); 256 prompts of randint(100, 1024) random token
+ids in [0, 10000], then max_tokens randint(100, 1024) each; temperature 0.6, ignore_eos. One
+warm-up generate, then throughput = output tokens / wall time of one generate call.
+"""
+import argparse
+import json
+import os
+import random
+import shutil
+import tempfile
+import time
+
+import torch
+
+from nanovllm import LLM, SamplingParams
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def workload(num_seqs: int, max_input: int, max_output: int):
+    random.seed(0)
+    prompts = [[random.randint(0, 10000) for _ in range(random.randint(100, max_input))] for _ in range(num_seqs)]
+    max_tokens = [random.randint(100, max_output) for _ in range(num_seqs)]
+    return prompts, max_tokens
+
+
+def measure_device(device: torch.device) -> tuple[float, float]:
+    """(copy bandwidth in bytes/s counting read + write, bf16 matmul FLOP/s), median of repeats."""
+    if device.type != "cuda":
+        return float("nan"), float("nan")
+    import triton.testing
+    src = torch.randn(1 << 30, dtype=torch.bfloat16, device=device)  # 2 GiB, far beyond L2
+    dst = torch.empty_like(src)
+    ms = triton.testing.do_bench(lambda: dst.copy_(src), warmup=50, rep=300, return_mode="median")
+    bandwidth = 2 * src.numel() * src.element_size() / (ms * 1e-3)
+    del src, dst
+    a = torch.randn(8192, 8192, dtype=torch.bfloat16, device=device)
+    b = torch.randn(8192, 8192, dtype=torch.bfloat16, device=device)
+    ms = triton.testing.do_bench(lambda: a @ b, warmup=50, rep=300, return_mode="median")
+    flops = 2 * 8192 ** 3 / (ms * 1e-3)
+    del a, b
+    torch.cuda.empty_cache()
+    return bandwidth, flops
+
+
+class ScheduleRecorder:
+    """Wraps the scheduler to record, per step, the tokens computed and the context read."""
+
+    def __init__(self, scheduler):
+        self.steps = []
+        inner = scheduler.schedule
+
+        def schedule():
+            batch = inner()
+            if batch is not None:
+                ctx = [s.num_computed_tokens + n for s, n in zip(batch.seqs, batch.num_new_tokens)]
+                self.steps.append((batch.num_decodes, list(batch.num_new_tokens), ctx,
+                                   [s.num_computed_tokens for s in batch.seqs]))
+            return batch
+        scheduler.schedule = schedule
+
+
+def roofline(cfg, steps, bandwidth: float, flops: float, dtype_bytes: int = 2) -> dict:
+    """Ideal time of the recorded schedule: bytes every step must move over the measured bandwidth,
+    plus prefill FLOPs over the measured matmul rate."""
+    h, layers, vocab = cfg["hidden_size"], cfg["num_hidden_layers"], cfg["vocab_size"]
+    heads, kv_heads = cfg["num_attention_heads"], cfg.get("num_key_value_heads", cfg["num_attention_heads"])
+    d = cfg.get("head_dim") or h // heads
+    inter = cfg["intermediate_size"]
+    layer_params = h * (heads + 2 * kv_heads) * d + heads * d * h + 3 * h * inter
+    weight_bytes = (layers * layer_params + vocab * h) * dtype_bytes  # every layer + the LM head
+    kv_token_bytes = 2 * layers * kv_heads * d * dtype_bytes
+    decode_bytes = prefill_flops = 0.0
+    for num_decodes, new, ctx, computed in steps:
+        # Memory: weights once per step, plus the KV every decode row reads.
+        decode_bytes += weight_bytes + kv_token_bytes * sum(ctx[:num_decodes])
+        for n, start in zip(new[num_decodes:], computed[num_decodes:]):
+            prefill_flops += 2 * layer_params * layers * n
+            # causal attention: QK^T and PV over each new token's context
+            prefill_flops += 4 * layers * heads * d * (n * start + n * (n + 1) / 2)
+    t_mem = decode_bytes / bandwidth
+    t_compute = prefill_flops / flops
+    return {"weight_bytes_per_step": weight_bytes, "kv_bytes_per_token": kv_token_bytes,
+            "bytes_moved": decode_bytes, "prefill_flops": prefill_flops,
+            "ideal_time_s": t_mem + t_compute, "steps": len(steps)}
+
+
+def model_dir(args) -> tuple[str, dict, str]:
+    if args.model:
+        with open(os.path.join(args.model, "config.json")) as f:
+            return args.model, json.load(f), "auto"
+    tmp = tempfile.mkdtemp(prefix="nanovllm-bench-")
+    shutil.copy(args.config, os.path.join(tmp, "config.json"))
+    with open(args.config) as f:
+        return tmp, json.load(f), "dummy"
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", help="model directory with real weights (default: random weights)")
+    ap.add_argument("--config", default=os.path.join(HERE, "benchmarks/configs/qwen3-0.6b.json"))
+    ap.add_argument("--num-seqs", type=int, default=256)
+    ap.add_argument("--max-input-len", type=int, default=1024)
+    ap.add_argument("--max-output-len", type=int, default=1024)
+    ap.add_argument("--max-model-len", type=int, default=4096)
+    ap.add_argument("--single", action="store_true", help="one request: 128-token prompt, 512 new tokens")
+    ap.add_argument("--enforce-eager", action="store_true")
+    ap.add_argument("--device", default="auto")
+    ap.add_argument("--dtype", default="auto")
+    ap.add_argument("--top-p", type=float, default=1.0, help="sampling filter to price (default: off)")
+    ap.add_argument("--top-k", type=int, default=-1)
+    ap.add_argument("--json", help="write the figures to this file")
+    args = ap.parse_args()
+
+    path, cfg, load_format = model_dir(args)
+    llm = LLM(path, enforce_eager=args.enforce_eager, max_model_len=args.max_model_len, load_format=load_format,
+              device=args.device, dtype=args.dtype)
+    device = llm.config.device
+    print(f"num_kvcache_blocks={llm.config.num_kvcache_blocks} block_size={llm.config.kvcache_block_size} "
+          f"dtype={llm.config.torch_dtype} device={device}")
+    bandwidth, flops = measure_device(device)
+
+    if args.single:
+        random.seed(0)
+        prompts = [[random.randint(0, 10000) for _ in range(128)]]
+        params = [SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=512)]
+    else:
+        prompts, max_tokens = workload(args.num_seqs, args.max_input_len, args.max_output_len)
+        params = [SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=m, top_p=args.top_p, top_k=args.top_k)
+                  for m in max_tokens]
+    llm.generate([[1, 2, 3, 4, 5]], SamplingParams(max_tokens=16), use_tqdm=False)  # warm-up
+    recorder = ScheduleRecorder(llm.engine.scheduler)
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    start = time.perf_counter()
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    elapsed = time.perf_counter() - start
+    out_tokens = sum(len(o["token_ids"]) for o in outputs)
+    assert out_tokens == sum(p.max_tokens for p in params)
+    throughput = out_tokens / elapsed
+    dtype_bytes = torch.tensor([], dtype=llm.config.torch_dtype).element_size()
+    roof = roofline(cfg, recorder.steps, bandwidth, flops, dtype_bytes)
+    ideal_tput = out_tokens / roof["ideal_time_s"]
+    result = {
+        "mode": "single" if args.single else "throughput", "model": args.model or os.path.basename(args.config),
+        "prompts": len(prompts), "prompt_tokens": sum(map(len, prompts)), "output_tokens": out_tokens,
+        "time_s": elapsed, "throughput_tok_s": throughput, "steps": roof["steps"],
+        "measured_bandwidth_TBps": bandwidth / 1e12, "measured_matmul_TFLOPs": flops / 1e12,
+        "ideal_time_s": roof["ideal_time_s"], "roofline_tok_s": ideal_tput,
+        "fraction_of_roofline": throughput / ideal_tput, "enforce_eager": args.enforce_eager,
+        "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+    }
+    print(f"Total: {out_tokens} tok, Time: {elapsed:.2f}s, Throughput: {throughput:,.0f} tok/s")
+    print(f"Roofline (measured {bandwidth / 1e12:.2f} TB/s, {flops / 1e12:.0f} TFLOP/s, {roof['steps']} steps): "
+          f"ideal {roof['ideal_time_s']:.2f}s = {ideal_tput:,.0f} tok/s; achieved {throughput / ideal_tput:.1%}")
+    print(json.dumps(result))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=1)
+    llm.shutdown()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,5 @@
+import sys
+
+from nanovllm.entrypoints.cli import main
+
+sys.exit(main())

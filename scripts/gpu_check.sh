@@ -1,0 +1,30 @@
+#!/usr/bin/env bash
+# Everything that needs the GPU, in one call: GPU tests, kernel timings, the benchmarks.
+#   bash scripts/gpu_check.sh [OUTDIR]      (on the device machine: OUTDIR defaults to $OUT)
+# Stages can be picked with STAGES="tests kernels bench single bench8b" (default: all).
+set -o pipefail
+OUTDIR=${1:-${OUT:-/tmp/nanovllm-gpu}}
+mkdir -p "$OUTDIR"
+export PYTHONUNBUFFERED=1
+STAGES=${STAGES:-"tests kernels bench single bench8b"}
+status=0
+run() {  # run NAME CMD...: log to $OUTDIR/NAME.log, remember failures, keep going
+  local name=$1; shift
+  echo "=== $name: $*"
+  "$@" 2>&1 | tee "$OUTDIR/$name.log" || { echo "=== $name FAILED"; status=1; }
+}
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__)"
+for stage in $STAGES; do
+  case $stage in
+    tests)   run tests python3 -m pytest tests/kernels tests/gpu -q -x -p no:cacheprovider ;;
+    kernels) run kernels python3 scripts/gpu_kernels.py ;;
+    bench)   run bench python3 bench.py --json "$OUTDIR/bench_qwen3_0.6b.json" ;;
+    eager)   run eager python3 bench.py --enforce-eager --json "$OUTDIR/bench_qwen3_0.6b_eager.json" ;;
+    topp)    run topp python3 bench.py --top-p 0.9 --top-k 50 --json "$OUTDIR/bench_qwen3_0.6b_topp.json" ;;
+    single)  run single python3 bench.py --single --json "$OUTDIR/bench_single.json" ;;
+    bench8b) run bench8b python3 bench.py --config benchmarks/configs/qwen3-8b.json --json "$OUTDIR/bench_qwen3_8b.json" ;;
+    *) echo "unknown stage $stage"; status=1 ;;
+  esac
+done
+exit $status
