@@ -116,6 +116,7 @@ def main():
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--top-p", type=float, default=1.0, help="sampling filter to price (default: off)")
     ap.add_argument("--top-k", type=int, default=-1)
+    ap.add_argument("--repeat", type=int, default=1, help="timed runs (the first is the reported figure)")
     ap.add_argument("--json", help="write the figures to this file")
     args = ap.parse_args()
 
@@ -142,11 +143,16 @@ def main():
     start = time.perf_counter()
     outputs = llm.generate(prompts, params, use_tqdm=False)
     elapsed = time.perf_counter() - start
+    steps = list(recorder.steps)
+    for i in range(1, args.repeat):
+        again = time.perf_counter()
+        llm.generate(prompts, params, use_tqdm=False)
+        print(f"repeat {i}: {time.perf_counter() - again:.2f}s")
     out_tokens = sum(len(o["token_ids"]) for o in outputs)
     assert out_tokens == sum(p.max_tokens for p in params)
     throughput = out_tokens / elapsed
     dtype_bytes = torch.tensor([], dtype=llm.config.torch_dtype).element_size()
-    roof = roofline(cfg, recorder.steps, bandwidth, flops, dtype_bytes)
+    roof = roofline(cfg, steps, bandwidth, flops, dtype_bytes)
     ideal_tput = out_tokens / roof["ideal_time_s"]
     result = {
         "mode": "single" if args.single else "throughput", "model": args.model or os.path.basename(args.config),

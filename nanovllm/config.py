@@ -71,6 +71,8 @@ class Config:
             self.max_model_len = min(self.max_model_len, max_pos)
         if self.eos == -1:
             self.eos = _eos_from_config(self.hf_config)
+        if self.tensor_parallel_size > 1:
+            _check_tensor_parallel(self)
 
     @classmethod
     def field_names(cls) -> set[str]:
@@ -96,6 +98,21 @@ def resolve_device(device: str) -> torch.device:
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise ValueError(f"device={device!r} was requested but CUDA is not available")
     return dev
+
+
+def _check_tensor_parallel(cfg: "Config"):
+    """Fail before any worker process starts if the ranks cannot be placed or the model not split."""
+    size = cfg.tensor_parallel_size
+    from nanovllm.models.llama import check_tensor_parallel  # imported on use: config.py stays free of model code
+    check_tensor_parallel(cfg.hf_config, size)
+    if cfg.device.type == "cuda":
+        first = cfg.device.index or 0
+        available = torch.cuda.device_count() - first
+        if size > available:
+            raise ValueError(f"tensor_parallel_size={size} needs {size} CUDA devices from cuda:{first} on, "
+                             f"but only {available} are visible")
+    elif size > (os.cpu_count() or 1):
+        raise ValueError(f"tensor_parallel_size={size} exceeds the {os.cpu_count()} CPU cores of this machine")
 
 
 def cpu_supports_bf16() -> bool:

@@ -32,3 +32,41 @@ def all_gather_last_dim(x: torch.Tensor) -> torch.Tensor:
     parts = [torch.empty_like(x) for _ in range(_tp_size)]
     dist.all_gather(parts, x.contiguous())
     return torch.cat(parts, dim=-1)
+
+
+# ---- process group (tensor parallelism over torch.distributed; used by worker/tp_*.py) ----
+# One group per process: rank 0 lives in the caller's process, ranks 1.. in spawned workers.
+
+def init_process_group(rank: int, size: int, port: int, device: torch.device, timeout_s: float):
+    """Join the group of `size` ranks that meets at 127.0.0.1:port. On CUDA, collectives on GPU
+    tensors go through NCCL and the few control collectives on CPU tensors through gloo; on the
+    CPU everything is gloo. The timeout bounds how long a collective waits for a silent peer."""
+    from datetime import timedelta
+    backend = "cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo"
+    if device.type == "cuda":
+        torch.cuda.set_device(device)  # NCCL binds each rank's communicator to its current device
+    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=size,
+                            timeout=timedelta(seconds=timeout_s))
+
+
+def destroy_process_group(abort: bool = False):
+    """Leave the group, if any. `abort` after a peer failed: NCCL work still queued on the GPU
+    would otherwise wait for the dead peer forever."""
+    if not dist.is_initialized():
+        return
+    if abort:
+        try:
+            dist.distributed_c10d._abort_process_group()
+            return
+        except Exception:  # no abort for this backend/version: a plain destroy is all there is
+            pass
+    dist.destroy_process_group()
+
+
+def min_over_ranks(value: int) -> int:
+    """The smallest of every rank's `value` (a CPU collective: gloo on CUDA, too)."""
+    if _tp_size == 1:
+        return value
+    t = torch.tensor([value], dtype=torch.int64)
+    dist.all_reduce(t, op=dist.ReduceOp.MIN)
+    return int(t.item())

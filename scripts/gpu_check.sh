@@ -17,8 +17,8 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__)"
 for stage in $STAGES; do
   case $stage in
-    tests)   run tests python3 -m pytest tests/kernels tests/gpu -q -x -p no:cacheprovider ;;
-    kernels) run kernels python3 scripts/gpu_kernels.py ;;
+    tests)   run tests python3 -m pytest tests/kernels tests/layers tests/gpu -q -p no:cacheprovider --durations=8 ;;
+    kernels) run kernels python3 scripts/gpu_kernels.py ${KERNEL_ARGS:-} ;;
     bench)   run bench python3 bench.py --json "$OUTDIR/bench_qwen3_0.6b.json" ;;
     eager)   run eager python3 bench.py --enforce-eager --json "$OUTDIR/bench_qwen3_0.6b_eager.json" ;;
     topp)    run topp python3 bench.py --top-p 0.9 --top-k 50 --json "$OUTDIR/bench_qwen3_0.6b_topp.json" ;;

@@ -119,15 +119,17 @@ class BlockManager:
         if not self.enable_prefix_caching:
             return
         num_full = min(seq.num_computed_tokens // self.block_size, len(seq.block_table))
+        if num_full <= seq.num_published_blocks:
+            return
         hashes = self._block_hashes(seq, num_full)
         bs = self.block_size
-        for i in range(num_full):
+        for i in range(seq.num_published_blocks, num_full):
             block = self.blocks[seq.block_table[i]]
-            if block.hash is not None:
-                continue
-            block.hash = hashes[i]
-            block.token_ids = tuple(seq.token_ids[i * bs:(i + 1) * bs])
-            self.hash_to_block.setdefault(hashes[i], block.block_id)
+            if block.hash is None:
+                block.hash = hashes[i]
+                block.token_ids = tuple(seq.token_ids[i * bs:(i + 1) * bs])
+                self.hash_to_block.setdefault(hashes[i], block.block_id)
+        seq.num_published_blocks = num_full
 
     def free(self, seq: Sequence):
         """Drop seq's references. Unreferenced blocks go to the free queue, the tail of the
@@ -142,6 +144,7 @@ class BlockManager:
                 if block.hash is None:
                     self.free_blocks.move_to_end(block_id, last=False)
         seq.block_table = []
+        seq.num_published_blocks = 0
 
     def forget(self, seq: Sequence):
         """seq is gone for good: drop its memoised hashes."""

@@ -18,7 +18,7 @@ class LLMEngine:
         if config.eos == -1 and self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             config.eos = self.tokenizer.eos_token_id
         self.eos_token_ids = eos_token_ids(config, self.tokenizer)
-        self.model_runner = self._make_runner(config)
+        self.model_runner = self._make_runner(config, frozenset(self.eos_token_ids))
         num_blocks = self.model_runner.num_blocks
         config.num_kvcache_blocks = num_blocks
         if num_blocks * config.kvcache_block_size < config.max_model_len:
@@ -38,12 +38,12 @@ class LLMEngine:
         self.requests: dict = {}  # request_id -> list of its sequences
 
     @staticmethod
-    def _make_runner(config: Config):
+    def _make_runner(config: Config, eos_token_ids: frozenset[int]):
         if config.tensor_parallel_size > 1:
             from nanovllm.worker.tp_executor import TensorParallelExecutor
-            return TensorParallelExecutor(config)
+            return TensorParallelExecutor(config, eos_token_ids)
         from nanovllm.worker.model_runner import ModelRunner
-        return ModelRunner(config)
+        return ModelRunner(config, eos_token_ids=eos_token_ids)
 
     # ---- requests -----------------------------------------------------------------------
     def tokenize(self, prompt) -> list[int]:
@@ -114,13 +114,15 @@ class LLMEngine:
     def _process(self, batch, output) -> list[Sequence]:
         finished = []
         now = time.perf_counter()
-        for seq, token in zip(output.seqs, output.token_ids()):
+        tokens = output.token_ids()
+        logprobs = output.logprobs()
+        for row, (seq, token) in enumerate(zip(output.seqs, tokens)):
             if seq.is_finished:  # stopped or aborted while this step was in flight
                 continue
             seq.resolve_pending(token)
             if seq.first_token_time is None:
                 seq.first_token_time = now
-            reason = self.output_processor.check(seq, token)
+            reason = self.output_processor.check(seq, token, None if logprobs is None else logprobs.row(row))
             if reason is not None:
                 self.scheduler.finish(seq, reason)
                 finished.append(seq)
@@ -133,7 +135,7 @@ class LLMEngine:
         return self._process(*done) if done is not None else []
 
     def shutdown(self):
-        runner = getattr(self, "model_runner", None)
+        runner, self.model_runner = getattr(self, "model_runner", None), None
         if runner is not None:
             runner.shutdown()
 

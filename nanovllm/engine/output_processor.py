@@ -1,31 +1,96 @@
-"""After each step: append sampled tokens and decide which sequences are done."""
+"""After each step: append sampled tokens (and their logprobs) and decide which sequences are done.
+
+Text: a sequence gets an IncrementalDetokenizer (`seq.detokenizer`) only when it needs text while
+it runs: it has stop strings, or it is streamed (`watch(seq)`, or `stream_all`). Otherwise its
+text is decoded once, when asked for (`text(seq)`), and the offline path pays nothing per token.
+
+As in vLLM, the eos or stop token that ends a sequence is not part of its text unless
+include_stop_str_in_output is set, and stop strings only count after min_tokens outputs.
+"""
+from nanovllm.engine.detokenizer import IncrementalDetokenizer, decode_completion
 from nanovllm.engine.sequence import Sequence
 
 
 class OutputProcessor:
-    def __init__(self, eos_token_ids: set[int], max_model_len: int, tokenizer=None):
+    def __init__(self, eos_token_ids: set[int], max_model_len: int, tokenizer=None, stream_all: bool = False):
         self.eos_token_ids = eos_token_ids
         self.max_model_len = max_model_len
         self.tokenizer = tokenizer
+        self.stream_all = stream_all  # detokenize every sequence as it goes (a streaming server)
 
-    def append(self, seq: Sequence, token_id: int) -> str | None:
-        """Append token_id to seq; return a finish reason ("stop" or "length") or None."""
+    def watch(self, seq: Sequence) -> IncrementalDetokenizer | None:
+        """Detokenize seq incrementally, so take_delta(seq) can stream it. Call it before seq's
+        first token is appended. None without a tokenizer."""
+        detok = getattr(seq, "detokenizer", None)
+        if detok is None and self.tokenizer is not None:
+            detok = seq.detokenizer = IncrementalDetokenizer(self.tokenizer, seq.prompt_token_ids,
+                                                             seq.sampling_params)
+        return detok
+
+    def append(self, seq: Sequence, token_id: int, logprobs: tuple | None = None) -> str | None:
+        """Append token_id to seq, then check it (see check)."""
         seq.append_token(token_id)
+        return self.check(seq, token_id, logprobs)
+
+    def check(self, seq: Sequence, token_id: int, logprobs: tuple | None = None) -> str | None:
+        """token_id is seq's newest known token (already in seq.token_ids; tokens of a step still
+        in flight may follow it as placeholders). Records its logprobs and text; returns a finish
+        reason ("stop" or "length") or None. logprobs: this row's `LogprobsLists.row(i)` from the
+        sampler, when the batch asked for any."""
         sp = seq.sampling_params
-        n_out = seq.num_completion_tokens
+        detok = getattr(seq, "detokenizer", None)
+        if detok is None and (sp.stop_list or self.stream_all):
+            detok = self.watch(seq)
+        if logprobs is not None and seq.logprobs is not None:
+            seq.logprobs.append(logprobs_entry(logprobs, sp.logprobs))
+        in_flight = getattr(seq, "num_pending_tokens", 0)
+        n_out = seq.num_completion_tokens - in_flight
+        reason = None
         if n_out > sp.min_tokens:  # the sampler keeps eos and stop ids out before min_tokens
             if not sp.ignore_eos and token_id in self.eos_token_ids:
-                seq.stop_reason = None
-                return "stop"
-            if token_id in sp.stop_token_ids:
-                seq.stop_reason = token_id
-                return "stop"
-        if n_out >= sp.max_tokens or seq.num_tokens >= self.max_model_len:
-            return "length"
-        return None
+                reason, seq.stop_reason = "stop", None
+            elif token_id in sp.stop_token_ids:
+                reason, seq.stop_reason = "stop", token_id
+        if detok is not None and (reason is None or sp.include_stop_str_in_output):
+            delta, stop = detok.add(token_id, check_stop=reason is None and n_out > sp.min_tokens)
+            detok.unread += delta
+            if stop is not None:
+                reason, seq.stop_reason = "stop", stop
+        if reason is None and (n_out >= sp.max_tokens or seq.num_tokens - in_flight >= self.max_model_len):
+            reason = "length"
+        if reason is not None and detok is not None:
+            detok.unread += detok.flush()
+        return reason
+
+    def take_delta(self, seq: Sequence) -> str:
+        """Text of seq not yet taken, safe to stream: never text a stop string will cut. Once seq
+        is finished, the last call returns the rest of its final text."""
+        detok = getattr(seq, "detokenizer", None)
+        if detok is None:
+            return ""
+        delta, detok.unread = detok.unread, ""
+        return delta
 
     def text(self, seq: Sequence) -> str:
+        detok = getattr(seq, "detokenizer", None)
+        if detok is not None:
+            return detok.text
         if self.tokenizer is None:
             return ""
-        return self.tokenizer.decode(seq.completion_token_ids,
-                                     skip_special_tokens=seq.sampling_params.skip_special_tokens)
+        sp = seq.sampling_params
+        ids = seq.completion_token_ids
+        in_flight = getattr(seq, "num_pending_tokens", 0)
+        if in_flight:
+            ids = ids[:-in_flight]
+        if (ids and seq.finish_reason == "stop" and not isinstance(seq.stop_reason, str)
+                and not sp.include_stop_str_in_output):
+            ids = ids[:-1]  # the eos or stop token
+        return decode_completion(self.tokenizer, seq.prompt_token_ids, ids, sp.skip_special_tokens)
+
+
+def logprobs_entry(row: tuple[list[int], list[float], int], num_top: int) -> dict:
+    """One generated token's logprobs, from the sampler's row: the sampled token first, then
+    the batch's top k, of which this request keeps its own num_top."""
+    ids, values, rank = row
+    return {"token_id": ids[0], "logprob": values[0], "rank": rank,
+            "top_logprobs": [{"token_id": t, "logprob": v} for t, v in zip(ids[1:1 + num_top], values[1:1 + num_top])]}

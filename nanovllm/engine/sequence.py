@@ -28,6 +28,7 @@ class Sequence:
         self.num_computed_tokens = 0
         self.num_cached_tokens = 0  # prompt tokens served by the prefix cache at admission
         self.block_table: list[int] = []
+        self.num_published_blocks = 0  # leading blocks of block_table offered to the prefix cache
         self.status = SequenceStatus.WAITING
         self.sampling_params = sampling_params
         self.seed = seed  # drives this sequence's sampling noise, independent of the batch

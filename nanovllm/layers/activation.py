@@ -7,5 +7,8 @@ class SiluAndMul(nn.Module):
     """SwiGLU on a fused [gate | up] projection."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.is_cuda:
+            from nanovllm.kernels.fused_ops import silu_and_mul
+            return silu_and_mul(x)
         gate, up = x.chunk(2, dim=-1)
         return F.silu(gate) * up

@@ -47,8 +47,16 @@ class RotaryEmbedding(nn.Module):
         # [max_position, head_dim]: cos in the first half, sin in the second.
         self.register_buffer("cos_sin_cache", torch.cat([freqs.cos(), freqs.sin()], dim=-1), persistent=False)
 
-    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
-        # q: [T, Hq, D], k: [T, Hkv, D]
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
+                q_norm: nn.Module | None = None, k_norm: nn.Module | None = None):
+        """q: [T, Hq, D], k: [T, Hkv, D]; q_norm/k_norm: per-head RMSNorms applied first (Qwen3)."""
+        if q.is_cuda:  # norms and rotation of q and k in one kernel
+            from nanovllm.kernels.fused_ops import qk_norm_rope
+            return qk_norm_rope(q, k, positions, self.cos_sin_cache,
+                                None if q_norm is None else q_norm.weight, None if k_norm is None else k_norm.weight,
+                                1e-6 if q_norm is None else q_norm.eps)
+        if q_norm is not None:
+            q, k = q_norm(q), k_norm(k)
         cos, sin = self.cos_sin_cache[positions].unsqueeze(1).chunk(2, dim=-1)
         return _rotate(q, cos, sin), _rotate(k, cos, sin)
 

@@ -3,13 +3,35 @@
 Random draws use the exponential-race form of sampling (argmax of p / E with E ~ Exp(1) equals a
 draw from p) with noise that is a pure function of (request seed, output position, token id),
 so a request's tokens do not depend on which other requests share its batch, or their order.
+Every step below is row-wise, so filters and penalties keep that property.
+
+Order of operations (vLLM v1's): min_tokens bans and penalties on the raw logits, greedy argmax,
+temperature, min_p, top_k, top_p (on the distribution left by the previous filters), then the
+draw. Logprobs are those of the raw model distribution (vLLM's default "raw_logprobs").
+
+Each optional stage runs only when a host-side field of the metadata says some row needs it, and
+only on those rows (`*_rows`, None meaning every row), so a batch that uses none pays nothing.
 """
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 from torch import nn
 
 _M32 = 0xFFFFFFFF
+
+
+@dataclass
+class PenaltyInputs:
+    """Token histories of the rows that use penalties, as zero-padded [P, L] tensors with lengths."""
+    rows: torch.Tensor | None              # [P] rows of the batch, None: all rows
+    output_tokens: torch.Tensor            # [P, Lo] int64 generated tokens
+    output_lens: torch.Tensor              # [P] int64
+    prompt_tokens: torch.Tensor | None     # [P, Lp] int64; only when some row has a repetition penalty
+    prompt_lens: torch.Tensor | None
+    repetition: torch.Tensor | None        # [P] float32, 1.0 = off; None when no row uses it
+    frequency: torch.Tensor | None         # [P] float32, 0.0 = off
+    presence: torch.Tensor | None          # [P] float32, 0.0 = off
 
 
 @dataclass
@@ -19,6 +41,57 @@ class SamplingMetadata:
     offsets: torch.Tensor        # [B] int64: index of the token being drawn among the outputs
     all_greedy: bool
     all_random: bool
+    row_keys: torch.Tensor | None = None      # [B] int64: row_keys(seeds, offsets), if precomputed
+    # top-k / top-p, over the random rows that use either.
+    filter_rows: torch.Tensor | None = None   # [F]; None: all rows (only read when top_k or top_p is set)
+    top_k: torch.Tensor | None = None         # [F] int64, 0 = off; None when no row uses top-k
+    top_p: torch.Tensor | None = None         # [F] float32, 1.0 = off; None when no row uses top-p
+    max_top_k: int = 0
+    # min-p, over the random rows that use it.
+    min_p_rows: torch.Tensor | None = None
+    min_p: torch.Tensor | None = None         # [M] float32; None when no row uses min-p
+    penalties: PenaltyInputs | None = None
+    # (row, token id) pairs whose logits are -inf: eos and stop ids of rows still under min_tokens.
+    banned_rows: torch.Tensor | None = None
+    banned_ids: torch.Tensor | None = None
+    max_num_logprobs: int | None = None       # largest `logprobs` of the batch; None: no row wants any
+
+
+class LogprobsLists(NamedTuple):
+    """Host copies of SamplerOutput's logprobs; row(i) is what OutputProcessor.append takes."""
+    token_ids: list[list[int]]
+    logprobs: list[list[float]]
+    ranks: list[int]
+
+    def row(self, i: int) -> tuple[list[int], list[float], int]:
+        return self.token_ids[i], self.logprobs[i], self.ranks[i]
+
+
+@dataclass
+class SamplerOutput:
+    token_ids: torch.Tensor                          # [B] int64
+    logprob_token_ids: torch.Tensor | None = None    # [B, 1 + k]: the sampled token, then the top k
+    logprobs: torch.Tensor | None = None             # [B, 1 + k] float32
+    sampled_ranks: torch.Tensor | None = None        # [B] int64: 1 + number of more likely tokens
+
+    def to_host(self) -> "SamplerOutput":
+        """Copies in pinned host memory, queued on the current stream without waiting: read them
+        only once an event recorded after this call has completed. The CPU keeps self."""
+        if not self.token_ids.is_cuda:
+            return self
+
+        def pinned(t):
+            if t is None:
+                return None
+            host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+            return host.copy_(t, non_blocking=True)
+        return SamplerOutput(pinned(self.token_ids), pinned(self.logprob_token_ids), pinned(self.logprobs),
+                             pinned(self.sampled_ranks))
+
+    def logprobs_lists(self) -> LogprobsLists | None:
+        if self.logprobs is None:
+            return None
+        return LogprobsLists(self.logprob_token_ids.tolist(), self.logprobs.tolist(), self.sampled_ranks.tolist())
 
 
 def _mix32(x: torch.Tensor) -> torch.Tensor:
@@ -30,26 +103,146 @@ def _mix32(x: torch.Tensor) -> torch.Tensor:
     return x ^ (x >> 16)
 
 
+_arange_cache: dict[tuple[int, torch.device], torch.Tensor] = {}
+
+
+def _vocab_ids(vocab_size: int, device: torch.device) -> torch.Tensor:
+    key = (vocab_size, device)
+    ids = _arange_cache.get(key)
+    if ids is None:
+        ids = _arange_cache[key] = torch.arange(vocab_size, device=device, dtype=torch.int64)
+    return ids
+
+
+def row_keys(seeds: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """[B] per-row hash keys from which every token's noise derives (uint32 values in int64)."""
+    return _mix32((seeds & _M32) ^ _mix32(((seeds >> 32) & _M32) ^ ((offsets * 0x9E3779B9) & _M32)))
+
+
 def exponential_noise(seeds: torch.Tensor, offsets: torch.Tensor, vocab_size: int) -> torch.Tensor:
     """[B, V] float32 Exp(1) draws determined by (seed, offset, token id) alone."""
-    row = _mix32((seeds & _M32) ^ _mix32(((seeds >> 32) & _M32) ^ ((offsets * 0x9E3779B9) & _M32)))
-    cols = torch.arange(vocab_size, device=seeds.device, dtype=torch.int64)
+    row = row_keys(seeds, offsets)
+    cols = _vocab_ids(vocab_size, seeds.device)
     bits = _mix32(_mix32(row[:, None] ^ cols[None, :]) ^ (row[:, None] >> 7))
     u = ((bits >> 8).to(torch.float32) + 0.5) * (1.0 / (1 << 24))  # in (0, 1)
     return -torch.log(u)
 
 
+def _token_counts(tokens: torch.Tensor, lens: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """[P, V] float32 occurrence counts of each row's first lens[i] tokens (padding adds zero)."""
+    num_rows, width = tokens.shape
+    valid = torch.arange(width, device=tokens.device)[None, :] < lens[:, None]
+    counts = torch.zeros(num_rows, vocab_size, dtype=torch.float32, device=tokens.device)
+    return counts.scatter_add_(1, tokens, valid.to(torch.float32))
+
+
+def apply_penalties(logits: torch.Tensor, p: PenaltyInputs) -> torch.Tensor:
+    """Repetition (HF/vLLM: over prompt and output), then frequency and presence (over the output).
+    Out of place: the caller's logits stay intact (they may be the raw logits logprobs need)."""
+    x = logits if p.rows is None else logits.index_select(0, p.rows)
+    vocab_size = logits.shape[-1]
+    counts = _token_counts(p.output_tokens, p.output_lens, vocab_size)
+    in_output = counts > 0
+    if p.repetition is not None:
+        seen = in_output | (_token_counts(p.prompt_tokens, p.prompt_lens, vocab_size) > 0)
+        penalty = torch.where(seen, p.repetition[:, None], 1.0)
+        x = torch.where(x > 0, x / penalty, x * penalty)
+    if p.frequency is not None:
+        x = x - p.frequency[:, None] * counts
+    if p.presence is not None:
+        x = x - p.presence[:, None] * in_output
+    return x if p.rows is None else logits.index_copy(0, p.rows, x)
+
+
+def _min_p(x: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+    # prob < min_p * max_prob  <=>  logit < max_logit + log(min_p): no softmax needed.
+    threshold = x.amax(dim=-1, keepdim=True) + torch.log(min_p)[:, None]
+    return x.masked_fill_(x < threshold, float("-inf"))
+
+
+def _top_k_top_p(x: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None,
+                 max_top_k: int) -> torch.Tensor:
+    """In place on x [F, V]. Ties with the k-th logit are kept, as in vLLM."""
+    vocab_size = x.shape[-1]
+    if top_p is None:  # top-k alone: a partial top-k instead of a full sort
+        width = min(max_top_k, vocab_size)
+        kth = x.topk(width, dim=-1).values.gather(1, top_k.clamp(max=width)[:, None] - 1)
+        return x.masked_fill_(x < kth, float("-inf"))
+    srt, idx = x.sort(dim=-1, descending=True)
+    if top_k is not None:
+        k = torch.where(top_k > 0, top_k, vocab_size).clamp(max=vocab_size)
+        srt.masked_fill_(srt < srt.gather(1, k[:, None] - 1), float("-inf"))
+    probs = srt.softmax(dim=-1)
+    before = probs.cumsum(dim=-1).sub_(probs)  # mass of the more likely tokens
+    # Keep the smallest prefix reaching p; the top token always stays (before = 0 < p). Rows with
+    # p = 1 are excluded outright, so cumsum rounding cannot touch their tail.
+    drop = (before >= top_p[:, None]) & (top_p < 1.0)[:, None]
+    srt.masked_fill_(drop, float("-inf"))
+    return x.scatter_(1, idx, srt)
+
+
+def _on_rows(x: torch.Tensor, rows: torch.Tensor | None, fn) -> torch.Tensor:
+    if rows is None:
+        return fn(x)
+    return x.index_copy_(0, rows, fn(x.index_select(0, rows)))
+
+
 class Sampler(nn.Module):
     def forward(self, logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
         """logits: [B, V] -> sampled token ids [B] (int64)."""
-        logits = logits.float()
-        greedy = logits.argmax(dim=-1)
+        return self.sample(logits, meta).token_ids
+
+    def process_logits(self, logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
+        """min_tokens bans and penalties: the logits that greedy rows take the argmax of.
+        Returns logits itself (no copy) when the batch uses neither."""
+        x = logits.float()
+        if meta.banned_ids is not None:
+            x = x.index_put((meta.banned_rows, meta.banned_ids), x.new_full((), float("-inf")))
+        if meta.penalties is not None:
+            x = apply_penalties(x, meta.penalties)
+        return x
+
+    def sample(self, logits: torch.Tensor, meta: SamplingMetadata) -> SamplerOutput:
+        filters = meta.min_p is not None or meta.top_k is not None or meta.top_p is not None
+        if logits.is_cuda and not filters:
+            # One fused pass over the logits (kernels/sample.py) replaces the float copy, softmax,
+            # noise tensor and division below; the draws are the same up to float rounding.
+            from nanovllm.kernels.sample import sample_rows
+            x = logits if meta.banned_ids is None and meta.penalties is None else self.process_logits(logits, meta)
+            keys = meta.row_keys if meta.row_keys is not None else row_keys(meta.seeds, meta.offsets)
+            tokens = sample_rows(x, meta.temperatures, keys)
+            if meta.max_num_logprobs is None:
+                return SamplerOutput(tokens)
+            return self._with_logprobs(logits.float(), tokens, meta.max_num_logprobs)
+        raw = logits.float()
+        x = self.process_logits(raw, meta)
+        greedy = None if meta.all_random else x.argmax(dim=-1)
         if meta.all_greedy:
-            return greedy
-        temps = torch.where(meta.temperatures > 0, meta.temperatures, 1.0)
-        probs = torch.softmax(logits / temps[:, None], dim=-1)
-        noise = exponential_noise(meta.seeds, meta.offsets, logits.shape[-1])
-        sampled = (probs / noise).argmax(dim=-1)
-        if meta.all_random:
-            return sampled
-        return torch.where(meta.temperatures > 0, sampled, greedy)
+            tokens = greedy
+        else:
+            temps = torch.where(meta.temperatures > 0, meta.temperatures, 1.0)
+            x = x / temps[:, None]  # a fresh tensor: the filters below may work in place
+            if meta.min_p is not None:
+                x = _on_rows(x, meta.min_p_rows, lambda t: _min_p(t, meta.min_p))
+            if meta.top_k is not None or meta.top_p is not None:
+                x = _on_rows(x, meta.filter_rows,
+                             lambda t: _top_k_top_p(t, meta.top_k, meta.top_p, meta.max_top_k))
+            noise = exponential_noise(meta.seeds, meta.offsets, x.shape[-1])
+            sampled = x.softmax(dim=-1).div_(noise).argmax(dim=-1)
+            tokens = sampled if meta.all_random else torch.where(meta.temperatures > 0, sampled, greedy)
+        if meta.max_num_logprobs is None:
+            return SamplerOutput(tokens)
+        return self._with_logprobs(raw, tokens, meta.max_num_logprobs)
+
+    @staticmethod
+    def _with_logprobs(raw: torch.Tensor, tokens: torch.Tensor, k: int) -> SamplerOutput:
+        logprobs = torch.log_softmax(raw, dim=-1)
+        chosen = logprobs.gather(1, tokens[:, None])
+        ranks = (logprobs > chosen).sum(dim=-1) + 1
+        ids, values = tokens[:, None], chosen
+        k = min(k, raw.shape[-1])
+        if k > 0:
+            top = logprobs.topk(k, dim=-1)
+            ids = torch.cat([ids, top.indices], dim=1)
+            values = torch.cat([values, top.values], dim=1)
+        return SamplerOutput(tokens, ids, values, ranks)

@@ -36,8 +36,9 @@ class DecoderAttention(nn.Module):
         k = k.unflatten(-1, (self.num_kv_heads, self.head_dim))  # [T, Hkv, D]
         v = v.unflatten(-1, (self.num_kv_heads, self.head_dim))
         if self.qk_norm:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotary_emb(positions, q, k)
+            q, k = self.rotary_emb(positions, q, k, self.q_norm, self.k_norm)
+        else:
+            q, k = self.rotary_emb(positions, q, k)
         return self.o_proj(self.attn(q, k, v, meta))
 
 

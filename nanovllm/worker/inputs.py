@@ -1,5 +1,10 @@
-"""Turn a scheduled batch into the flat tensors one forward pass needs."""
+"""Turn a scheduled batch into the flat tensors one forward pass needs.
+
+Two stages: `build_host_inputs` makes plain numpy arrays (cheap to send to tensor-parallel
+workers), `to_device` moves them to the GPU asynchronously from pinned memory.
+"""
 from dataclasses import dataclass
+from itertools import chain
 
 import numpy as np
 import torch
@@ -9,15 +14,76 @@ from nanovllm.engine.scheduler import ScheduledBatch
 
 
 @dataclass
-class ForwardBatch:
-    input_ids: torch.Tensor       # [T] int64
-    positions: torch.Tensor       # [T] int64
-    attn: AttentionMetadata
-    logits_indices: torch.Tensor  # [S] rows of the hidden states to sample from
-    sample_rows: list[int]        # which sequences of the batch sample this step
+class HostInputs:
+    input_ids: np.ndarray        # [T] int64
+    positions: np.ndarray        # [T] int64
+    slot_mapping: np.ndarray     # [T] int64
+    query_start_loc: np.ndarray  # [S + 1] int32
+    seq_lens: np.ndarray         # [S] int32
+    block_tables: np.ndarray     # [S, max_blocks] int32
+    num_decodes: int
+    logits_indices: np.ndarray   # rows of the hidden states to sample from
+    sample_rows: list[int]       # which sequences of the batch sample this step
     # Inputs sampled by the previous step and not yet seen by the host: input_ids[dst] = last[src].
+    pending_dst: np.ndarray | None = None
+    pending_src: np.ndarray | None = None
+
+
+@dataclass
+class ForwardBatch:
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    attn: AttentionMetadata
+    logits_indices: torch.Tensor
+    sample_rows: list[int]
     pending_dst: torch.Tensor | None = None
     pending_src: torch.Tensor | None = None
+
+
+def build_host_inputs(batch: ScheduledBatch, block_size: int,
+                      last_row_of_seq: dict[int, int] | None = None) -> HostInputs:
+    # Vectorised over sequences where it matters: a decode step of hundreds of sequences must
+    # cost far less host time than the device spends on it.
+    seqs, counts = batch.seqs, batch.num_new_tokens
+    num_seqs, nd = len(seqs), batch.num_decodes
+    computed = np.fromiter((s.num_computed_tokens for s in seqs), np.int64, num_seqs)
+    num_tokens = np.fromiter((len(s.token_ids) for s in seqs), np.int64, num_seqs)
+    new = np.asarray(counts, dtype=np.int64)
+    seq_lens = computed + new
+
+    tables = [s.block_table for s in seqs]
+    table_lens = np.fromiter(map(len, tables), np.int64, num_seqs)
+    block_tables = np.zeros((num_seqs, int(table_lens.max())), dtype=np.int32)
+    flat = np.fromiter(chain.from_iterable(tables), np.int32, int(table_lens.sum()))
+    row_starts = np.cumsum(table_lens) - table_lens
+    block_tables[np.repeat(np.arange(num_seqs), table_lens),
+                 np.arange(flat.size) - np.repeat(row_starts, table_lens)] = flat
+
+    # Decodes: one token each, possibly a placeholder for the previous step's sample.
+    decode_ids = np.fromiter((s.token_ids[s.num_computed_tokens] for s in seqs[:nd]), np.int64, nd)
+    pending = np.flatnonzero(decode_ids < 0)
+    decode_ids[pending] = 0
+    parts_ids, parts_pos = [decode_ids], [computed[:nd]]
+    for seq, start, n in zip(seqs[nd:], computed[nd:].tolist(), counts[nd:]):
+        parts_ids.append(np.asarray(seq.token_ids[start:start + n], dtype=np.int64))
+        parts_pos.append(np.arange(start, start + n, dtype=np.int64))
+    input_ids = np.concatenate(parts_ids)
+    positions = np.concatenate(parts_pos)
+
+    query_start = np.zeros(num_seqs + 1, dtype=np.int32)
+    np.cumsum(new, out=query_start[1:])
+    sample_rows = np.flatnonzero(seq_lens == num_tokens)
+    # slot of position p of sequence i = block_tables[i, p // bs] * bs + p % bs, for all tokens at once
+    seq_of_token = np.repeat(np.arange(num_seqs), new)
+    slots = block_tables[seq_of_token, positions // block_size].astype(np.int64) * block_size + positions % block_size
+    return HostInputs(
+        input_ids=input_ids, positions=positions, slot_mapping=slots, query_start_loc=query_start,
+        seq_lens=seq_lens.astype(np.int32), block_tables=block_tables, num_decodes=nd,
+        logits_indices=query_start[1:][sample_rows].astype(np.int64) - 1, sample_rows=sample_rows.tolist(),
+        pending_dst=pending if pending.size else None,
+        pending_src=(np.fromiter((last_row_of_seq[seqs[i].seq_id] for i in pending), np.int64, pending.size)
+                     if pending.size else None),
+    )
 
 
 def _to_device(array: np.ndarray, device: torch.device) -> torch.Tensor:
@@ -27,61 +93,81 @@ def _to_device(array: np.ndarray, device: torch.device) -> torch.Tensor:
     return t
 
 
-def build_forward_batch(batch: ScheduledBatch, block_size: int, device: torch.device,
-                        last_row_of_seq: dict[int, int] | None = None) -> ForwardBatch:
-    seqs, counts = batch.seqs, batch.num_new_tokens
-    num_seqs = len(seqs)
-    total = sum(counts)
-    input_ids = np.empty(total, dtype=np.int64)
-    positions = np.empty(total, dtype=np.int64)
-    query_start = np.zeros(num_seqs + 1, dtype=np.int32)
-    seq_lens = np.empty(num_seqs, dtype=np.int32)
-    max_blocks = max(len(s.block_table) for s in seqs)
-    block_tables = np.zeros((num_seqs, max_blocks), dtype=np.int32)
-    logits_indices, sample_rows = [], []
-    pending_dst, pending_src = [], []
-    pos = 0
-    for i, (seq, n) in enumerate(zip(seqs, counts)):
-        start = seq.num_computed_tokens
-        end = start + n
-        if seq.num_pending_tokens:
-            # Only a decode can be pending: its one input is the previous step's sample.
-            input_ids[pos] = 0
-            pending_dst.append(pos)
-            pending_src.append(last_row_of_seq[seq.seq_id])
-        else:
-            input_ids[pos:pos + n] = seq.token_ids[start:end]
-        positions[pos:pos + n] = np.arange(start, end)
-        pos += n
-        query_start[i + 1] = pos
-        seq_lens[i] = end
-        block_tables[i, :len(seq.block_table)] = seq.block_table
-        if end == seq.num_tokens:
-            logits_indices.append(pos - 1)
-            sample_rows.append(i)
-    # slot of position p of sequence i = block_tables[i, p // bs] * bs + p % bs, for all tokens at once
-    seq_of_token = np.repeat(np.arange(num_seqs), counts)
-    slots = block_tables[seq_of_token, positions // block_size].astype(np.int64) * block_size + positions % block_size
+_TORCH_DTYPES = {np.dtype(np.int64): torch.int64, np.dtype(np.int32): torch.int32,
+                 np.dtype(np.float32): torch.float32}
+
+
+class HostToDevice:
+    """Moves a step's host arrays to the device in ONE asynchronous copy: the arrays are packed
+    into a reused pinned buffer (a few in rotation, so a buffer is only rewritten once its last
+    copy is long done) and come back as views of one device buffer."""
+
+    def __init__(self, device: torch.device, num_buffers: int = 4):
+        self.device = device
+        self._buffers: list[torch.Tensor | None] = [None] * num_buffers
+        self._events: list = [None] * num_buffers
+        self._next = 0
+
+    def __call__(self, *arrays: np.ndarray) -> list[torch.Tensor]:
+        if self.device.type != "cuda":
+            return [torch.from_numpy(np.ascontiguousarray(a)) for a in arrays]
+        offsets, total = [], 0
+        for a in arrays:
+            offsets.append(total)
+            total += -(-a.nbytes // 16) * 16  # 16-byte alignment for every view
+        i, self._next = self._next, (self._next + 1) % len(self._buffers)
+        if self._events[i] is not None:
+            self._events[i].synchronize()
+        buf = self._buffers[i]
+        if buf is None or buf.numel() < total:
+            buf = self._buffers[i] = torch.empty(max(2 * total, 1 << 16), dtype=torch.uint8, pin_memory=True)
+        host = buf.numpy()
+        for a, off in zip(arrays, offsets):
+            host[off:off + a.nbytes] = np.ascontiguousarray(a).view(np.uint8).reshape(-1)
+        dev = buf[:total].to(self.device, non_blocking=True)
+        self._events[i] = torch.cuda.Event()
+        self._events[i].record()
+        return [dev[off:off + a.nbytes].view(_TORCH_DTYPES[a.dtype]).view(a.shape) for a, off in zip(arrays, offsets)]
+
+
+def to_device(host: HostInputs, stage: HostToDevice, max_seq_len_bound: int | None = None) -> ForwardBatch:
+    num_seqs = len(host.seq_lens)
+    nd = host.num_decodes
+    counts = np.diff(host.query_start_loc)
+    has_prefill = nd < num_seqs
+    has_pending = host.pending_dst is not None
+    arrays = [host.input_ids, host.positions, host.slot_mapping, host.query_start_loc, host.seq_lens,
+              host.block_tables, host.logits_indices]
+    if has_prefill:
+        arrays.append(host.query_start_loc[nd:] - nd)
+    if has_pending:
+        arrays += [host.pending_dst, host.pending_src]
+    moved = stage(*arrays)
+    input_ids, positions, slots, qsl, seq_lens, tables, logits_indices = moved[:7]
+    rest = moved[7:]
+    prefill_qsl = rest.pop(0) if has_prefill else None
     attn = AttentionMetadata(
         num_seqs=num_seqs,
-        num_decodes=batch.num_decodes,
-        slot_mapping=_to_device(slots, device),
-        query_start_loc=_to_device(query_start, device),
-        seq_lens=_to_device(seq_lens, device),
-        block_tables=_to_device(block_tables, device),
-        max_query_len=max(counts),
-        max_seq_len=int(seq_lens.max()),
-        query_start_loc_host=query_start.tolist(),
-        seq_lens_host=seq_lens.tolist(),
-        prefill_query_start_loc=(_to_device(query_start[batch.num_decodes:] - batch.num_decodes, device)
-                                 if batch.num_decodes < num_seqs else None),
+        num_decodes=nd,
+        slot_mapping=slots,
+        query_start_loc=qsl,
+        seq_lens=seq_lens,
+        block_tables=tables,
+        max_query_len=int(counts.max()),
+        max_seq_len=int(host.seq_lens.max()),
+        query_start_loc_host=host.query_start_loc.tolist(),
+        seq_lens_host=host.seq_lens.tolist(),
+        prefill_query_start_loc=prefill_qsl,
+        max_seq_len_bound=max_seq_len_bound,
     )
     return ForwardBatch(
-        input_ids=_to_device(input_ids, device),
-        positions=_to_device(positions, device),
-        attn=attn,
-        logits_indices=_to_device(np.asarray(logits_indices, dtype=np.int64), device),
-        sample_rows=sample_rows,
-        pending_dst=_to_device(np.asarray(pending_dst, dtype=np.int64), device) if pending_dst else None,
-        pending_src=_to_device(np.asarray(pending_src, dtype=np.int64), device) if pending_src else None,
+        input_ids=input_ids, positions=positions, attn=attn, logits_indices=logits_indices,
+        sample_rows=host.sample_rows,
+        pending_dst=rest[0] if has_pending else None,
+        pending_src=rest[1] if has_pending else None,
     )
+
+
+def build_forward_batch(batch: ScheduledBatch, block_size: int, device: torch.device,
+                        last_row_of_seq: dict[int, int] | None = None) -> ForwardBatch:
+    return to_device(build_host_inputs(batch, block_size, last_row_of_seq), HostToDevice(device))

@@ -5,43 +5,44 @@ import torch
 
 from nanovllm.attention.base import get_attention_backend
 from nanovllm.config import Config
-from nanovllm.distributed import set_tensor_parallel
+from nanovllm.distributed import min_over_ranks, set_tensor_parallel
 from nanovllm.engine.scheduler import ScheduledBatch
 from nanovllm.engine.sequence import Sequence
-from nanovllm.layers.sampler import Sampler
+from nanovllm.layers.sampler import LogprobsLists, Sampler, SamplerOutput
 from nanovllm.models.loader import build_model, init_dummy_weights, load_weights
-from nanovllm.worker.inputs import build_forward_batch
+from nanovllm.worker.inputs import HostInputs, HostToDevice, build_host_inputs, to_device
 from nanovllm.worker.sampling_inputs import build_sampling_metadata
 
 _CPU_DEFAULT_KV_BYTES = 1 << 30
 
 
 class StepOutput:
-    """Tokens sampled by one step, still on the device until `token_ids()` is called."""
+    """What one step sampled, still on the device until `token_ids()` is called."""
 
-    def __init__(self, seqs: list[Sequence], tokens: torch.Tensor | None):
+    def __init__(self, seqs: list[Sequence], sampled: SamplerOutput | None):
         self.seqs = seqs
-        self._tokens = tokens
-        self._host = None
+        self._host = None if sampled is None else sampled.to_host()  # queued copies on a GPU
         self._event = None
-        if tokens is not None and tokens.is_cuda:
-            self._host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
-            self._host.copy_(tokens, non_blocking=True)
+        if sampled is not None and sampled.token_ids.is_cuda:
             self._event = torch.cuda.Event()
             self._event.record()
 
     def token_ids(self) -> list[int]:
-        if self._tokens is None:
+        if self._host is None:
             return []
         if self._event is not None:
             self._event.synchronize()
-            return self._host.tolist()
-        return self._tokens.tolist()
+        return self._host.token_ids.tolist()
+
+    def logprobs(self) -> LogprobsLists | None:
+        """Per-row logprobs (after token_ids()), or None when no sequence of the step asked."""
+        return None if self._host is None else self._host.logprobs_lists()
 
 
 class ModelRunner:
-    def __init__(self, config: Config, rank: int = 0):
+    def __init__(self, config: Config, rank: int = 0, eos_token_ids: frozenset[int] = frozenset()):
         self.config = config
+        self.eos_token_ids = eos_token_ids  # banned while a sequence is under its min_tokens
         self.device = config.device
         self.block_size = config.kvcache_block_size
         set_tensor_parallel(rank, config.tensor_parallel_size)
@@ -61,12 +62,16 @@ class ModelRunner:
                            config.max_model_len, self.device)
         for attn in self.model.attention_layers:
             attn.backend = self.backend
-        self.num_blocks = self._num_kv_blocks()
-        self.kv_cache = self._allocate_kv_cache(self.num_blocks)
         # The last step's sampled tokens stay on the device: the next step reads its inputs there.
         self._last_sampled: torch.Tensor | None = None
         self._last_row_of_seq: dict[int, int] = {}
         self.graph_runner = None
+        self.stage = HostToDevice(self.device)
+        # Block ids are shared by all tensor-parallel ranks: every rank holds as many as the smallest.
+        self.num_blocks = min_over_ranks(self._num_kv_blocks())
+        self.kv_cache = self._allocate_kv_cache(self.num_blocks)
+        if self.device.type == "cuda":
+            self._compile_kernels()
         if self.device.type == "cuda" and not config.enforce_eager and self.backend.supports_cuda_graphs:
             from nanovllm.worker.cuda_graph import CUDAGraphRunner
             self.graph_runner = CUDAGraphRunner(self.model, config.max_num_seqs, self.max_blocks_per_seq,
@@ -120,27 +125,71 @@ class ModelRunner:
         self.execute(batch).token_ids()
         self._last_sampled, self._last_row_of_seq = None, {}
         bytes_ = kv.numel() * kv.element_size()
+        for attn in self.model.attention_layers:  # the layers' views would keep the cache alive
+            attn.k_cache = attn.v_cache = torch.tensor([])
         del kv
         return bytes_
+
+    @torch.inference_mode()
+    def _compile_kernels(self):
+        """Run once the kernel variants a workload meets (prefill tile sizes, decode slices at
+        aligned and unaligned offsets, the sampler), so Triton compiles them at start-up rather
+        than inside the first requests. The cache is still empty: any blocks will do."""
+        from nanovllm.sampling_params import SamplingParams
+        longest = self.config.max_model_len - 1
+        # Triton specialises on pointer alignment (the prefill slice starts after the decodes)
+        # and on integers equal to 1 or divisible by 16: cover decode counts mod 4, block-table
+        # widths, token totals of each kind and every prefill tile size.
+        layouts = [[1, 1, 1, 5, 17, 40, 100, 300], [1, 1, 1, 1, 2, 64, 1000], [1, 1, 600], [1, 1, 1, 900],
+                   [1] * 5 + [1000, 24], [1] * 6 + [10], [7], [9], [20], [33], [128], [256], [1], [1, 1]]
+        for lens in layouts:
+            lens = [min(n, longest) for n in lens]
+            seqs, next_block = [], 0
+            for i, n in enumerate(lens):
+                seq = Sequence([0] * n, SamplingParams(temperature=0.0 if i % 2 else 1.0), seed=i)
+                num = -(-n // self.block_size)
+                seq.block_table = [b % self.num_blocks for b in range(next_block, next_block + num)]
+                next_block += num
+                seqs.append(seq)
+            self.execute(ScheduledBatch(seqs, lens, num_decodes=sum(1 for n in lens if n == 1))).token_ids()
+        self._last_sampled, self._last_row_of_seq = None, {}
 
     # ---- one step -----------------------------------------------------------------------
     @torch.inference_mode()
     def execute(self, batch: ScheduledBatch) -> StepOutput:
-        fb = build_forward_batch(batch, self.block_size, self.device, self._last_row_of_seq)
+        host = build_host_inputs(batch, self.block_size, self._last_row_of_seq)
+        seqs = [batch.seqs[i] for i in host.sample_rows]
+        return self.run(host, seqs)
+
+    @torch.inference_mode()
+    def run(self, host: HostInputs, sample_seqs: list[Sequence] | None) -> StepOutput:
+        """Forward pass over prepared inputs; sample when sample_seqs is given (tensor-parallel
+        workers other than rank 0 pass None: they only contribute to the forward)."""
+        fb = to_device(host, self.stage, self.config.max_model_len)
         if fb.pending_dst is not None:
             fb.input_ids[fb.pending_dst] = self._last_sampled[fb.pending_src]
         if self.graph_runner is not None and self.graph_runner.can_run(fb.attn.num_seqs, fb.attn.num_decodes):
             hidden = self.graph_runner.run(fb.input_ids, fb.positions, fb.attn)
         else:
             hidden = self.model(fb.input_ids, fb.positions, fb.attn)
-        seqs = [batch.seqs[i] for i in fb.sample_rows]
-        if not seqs:
+        if not fb.sample_rows:
             return StepOutput([], None)
         logits = self.model.compute_logits(hidden[fb.logits_indices])
-        tokens = self.sampler(logits, build_sampling_metadata(seqs, self.device))
-        self._last_sampled = tokens
-        self._last_row_of_seq = {seq.seq_id: row for row, seq in enumerate(seqs)}
-        return StepOutput(seqs, tokens)
+        if sample_seqs is None:
+            return StepOutput([], None)
+        meta = build_sampling_metadata(sample_seqs, self.device, self.eos_token_ids,
+                                       self.config.hf_config.vocab_size, self._last_sampled, self._last_row_of_seq,
+                                       stage=self.stage)
+        sampled = self.sampler.sample(logits, meta)
+        self._last_sampled = sampled.token_ids
+        self._last_row_of_seq = {seq.seq_id: row for row, seq in enumerate(sample_seqs)}
+        return StepOutput(sample_seqs, sampled)
 
     def shutdown(self):
-        pass
+        """Release the device memory this runner holds (the model, the cache, the graphs)."""
+        for attn in self.model.attention_layers:
+            attn.k_cache = attn.v_cache = torch.tensor([])
+        self.graph_runner = self.kv_cache = self._last_sampled = None
+        self.model = None
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()

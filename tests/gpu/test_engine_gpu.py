@@ -26,18 +26,19 @@ def _greedy(llm, prompts, n=24):
 @pytest.mark.parametrize("arch", ["qwen3", "qwen2", "llama"])
 @pytest.mark.parametrize("enforce_eager", [False, True])
 def test_greedy_matches_hf_fp32(arch, enforce_eager, model_factory, hf_reference):
-    llm = LLM(model_factory(arch), dtype="float32", enforce_eager=enforce_eager, max_model_len=1024,
-              max_num_seqs=64, kvcache_block_size=16, gpu_memory_utilization=0.3)
-    assert llm.engine.model_runner.backend.name == "triton"
-    assert (llm.engine.model_runner.graph_runner is None) == enforce_eager
-    prompts = _prompts(1)
-    for p, ours in zip(prompts, _greedy(llm, prompts)):
+    with LLM(model_factory(arch), dtype="float32", enforce_eager=enforce_eager, max_model_len=1024,
+             max_num_seqs=64, kvcache_block_size=16, gpu_memory_utilization=0.3) as llm:
+        assert llm.engine.model_runner.backend.name == "triton"
+        assert (llm.engine.model_runner.graph_runner is None) == enforce_eager
+        prompts = _prompts(1)
+        outs = _greedy(llm, prompts)
+    for p, ours in zip(prompts, outs):
         assert_greedy_match(ours, *hf_reference(arch).greedy(p, 24), f"{arch} eager={enforce_eager}")
 
 
 def test_prefix_chunked_preempted_overlapped_fp32(model_factory, hf_reference):
-    llm = LLM(model_factory("qwen3"), dtype="float32", max_model_len=1024, kvcache_block_size=16,
-              num_kvcache_blocks=80, max_num_batched_tokens=200, max_num_seqs=64)
+    llm = LLM(model_factory("qwen3"), dtype="float32", max_model_len=512, kvcache_block_size=16,
+              num_kvcache_blocks=40, max_num_batched_tokens=200, max_num_seqs=64)
     assert llm.engine.overlap
     shared = _prompts(2, lengths=(100,))[0]
     prompts = [shared + p for p in _prompts(3, lengths=(5, 40, 90, 200, 300))]
@@ -47,13 +48,16 @@ def test_prefix_chunked_preempted_overlapped_fp32(model_factory, hf_reference):
     assert llm.engine.scheduler.num_preemptions > 0 and llm.engine.block_manager.prefix_hits > 0
     bm = llm.engine.block_manager
     assert bm.num_free_blocks == bm.num_blocks
+    llm.shutdown()
 
 
 def test_cuda_graphs_identical_to_eager_fp32(model_factory):
     kwargs = dict(dtype="float32", max_model_len=1024, max_num_seqs=64, gpu_memory_utilization=0.3)
     prompts = _prompts(4) * 3  # 24 sequences: padded up to a captured batch size
-    graphs = _greedy(LLM(model_factory("llama"), **kwargs), prompts, 40)
-    eager = _greedy(LLM(model_factory("llama"), enforce_eager=True, **kwargs), prompts, 40)
+    with LLM(model_factory("llama"), **kwargs) as llm:
+        graphs = _greedy(llm, prompts, 40)
+    with LLM(model_factory("llama"), enforce_eager=True, **kwargs) as llm:
+        eager = _greedy(llm, prompts, 40)
     assert graphs == eager
 
 
@@ -63,12 +67,10 @@ def test_qwen3_06b_bf16_triton_agrees_with_torch_backend(tmp_path):
     kwargs = dict(load_format="dummy", dtype="bfloat16", max_model_len=2048, max_num_seqs=16,
                   gpu_memory_utilization=0.3)
     prompts = _prompts(5, lengths=(10, 100, 300, 1000))
-    fast = LLM(str(tmp_path), **kwargs)
-    a = _greedy(fast, prompts, 8)
-    del fast
-    torch.cuda.empty_cache()
-    ref = LLM(str(tmp_path), attention_backend="torch", enforce_eager=True, **kwargs)
-    b = _greedy(ref, prompts, 8)
+    with LLM(str(tmp_path), **kwargs) as fast:
+        a = _greedy(fast, prompts, 8)
+    with LLM(str(tmp_path), attention_backend="torch", enforce_eager=True, **kwargs) as ref:
+        b = _greedy(ref, prompts, 8)
     # bf16 rounding differs between kernels: the first tokens must agree, later ones may drift.
     assert all(x[:4] == y[:4] for x, y in zip(a, b)), (a, b)
     assert sum(x == y for x, y in zip(a, b)) >= len(a) - 1
@@ -77,13 +79,11 @@ def test_qwen3_06b_bf16_triton_agrees_with_torch_backend(tmp_path):
 def test_kv_cache_sized_from_gpu_memory_utilization(tmp_path):
     import shutil
     shutil.copy(QWEN3_06B, tmp_path / "config.json")
-    small = LLM(str(tmp_path), load_format="dummy", gpu_memory_utilization=0.2, enforce_eager=True)
-    n_small = small.config.num_kvcache_blocks
-    del small
-    torch.cuda.empty_cache()
-    big = LLM(str(tmp_path), load_format="dummy", gpu_memory_utilization=0.4, enforce_eager=True)
-    n_big = big.config.num_kvcache_blocks
+    with LLM(str(tmp_path), load_format="dummy", gpu_memory_utilization=0.2, enforce_eager=True) as small:
+        n_small = small.config.num_kvcache_blocks
+    with LLM(str(tmp_path), load_format="dummy", gpu_memory_utilization=0.4, enforce_eager=True) as big:
+        n_big = big.config.num_kvcache_blocks
+        block_bytes = big.engine.model_runner.block_bytes
     total = torch.cuda.get_device_properties(0).total_memory
-    block_bytes = big.engine.model_runner.block_bytes
     # 20% more of the GPU becomes 20% more KV cache, give or take a block.
     assert abs((n_big - n_small) * block_bytes - 0.2 * total) < 0.02 * total

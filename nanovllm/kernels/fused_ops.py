@@ -1,0 +1,299 @@
+"""Fused elementwise kernels for the decoder layer: RMSNorm (with the residual add), SiLU-and-mul,
+and per-head q/k RMSNorm + rotary embedding.
+
+Why: a CUDA-graph decode step of a small model is dominated by launches of tiny elementwise
+kernels (fp32 casts, pow, mean, rsqrt, mul, chunk/cat for rope, ...). Each function here does
+the work of one layer in one launch and reproduces the plain-torch layer math
+(``nanovllm/layers/{layernorm,activation,rotary}.py``) including *where* results are rounded
+to the activation dtype, so nearly every element is bit-identical to the eager path. What is
+left: the fp32 summation order of the variance and Triton's rsqrt/exp approximations, which can
+flip the rounding of an intermediate (normalised value, silu) by 1 ulp -> <= 2 ulp in the result.
+
+All kernels are launched with ``enable_fp_fusion=False``: torch eager rounds every product
+separately, and letting the compiler contract ``a*b - c*d`` into an FMA would change the last
+fp32 bit (and occasionally the rounded bf16 result). These kernels are memory bound, so the
+lost FMAs cost nothing.
+
+Every function takes optional output buffers (poisoned in tests, reusable under CUDA graphs);
+without them outputs come from ``torch.empty``. Aliasing rules are given per function.
+"""
+
+import torch
+import triton
+import triton.language as tl
+
+
+def _launch_opts(block: int) -> dict:
+    # ~8 elements per thread (16 B of bf16) per row; more warps only for wide rows.
+    return dict(num_warps=max(1, min(16, block // 256)), enable_fp_fusion=False)
+
+
+# --------------------------------------------------------------------------------------------
+# RMSNorm (optionally with the residual add fused in)
+# --------------------------------------------------------------------------------------------
+@triton.jit
+def _rms_norm_kernel(
+    x_ptr, res_ptr, w_ptr, y_ptr, res_out_ptr,
+    stride_x, stride_r, stride_y, stride_ro,  # row strides; the hidden dim has unit stride
+    eps,
+    N: tl.constexpr, BLOCK: tl.constexpr, HAS_RES: tl.constexpr,
+):
+    # One program per token row; the whole row lives in registers (BLOCK = next_pow2(N)).
+    row = tl.program_id(0).to(tl.int64)  # int64: row * stride can exceed 2^31 at long prefills
+    cols = tl.arange(0, BLOCK)
+    mask = cols < N  # N is constexpr: when BLOCK == N the mask folds away (vector accesses)
+    x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+    if HAS_RES:
+        # x.float() + residual.float(), the new residual is that fp32 sum rounded once.
+        x += tl.load(res_ptr + row * stride_r + cols, mask=mask, other=0.0).to(tl.float32)
+        tl.store(res_out_ptr + row * stride_ro + cols, x.to(res_out_ptr.dtype.element_ty), mask=mask)
+    # variance = mean(x^2) in fp32; div_rn = the IEEE division torch does (Triton's "/" is
+    # approximate). div_rn wants two fp32 tensors of one shape, hence keep_dims and tl.full.
+    var = tl.div_rn(tl.sum(x * x, axis=0, keep_dims=True), tl.full([1], N, tl.float32))
+    # HF order: normalise in fp32, round to the input dtype, THEN multiply by the weight. The
+    # product of two 16-bit floats is exact in fp32, so computing it in fp32 and rounding once is
+    # exactly torch's bf16/fp16 multiply (it also covers an fp32 weight, which promotes to fp32).
+    xn = (x * tl.rsqrt(var + eps)).to(x_ptr.dtype.element_ty).to(tl.float32)
+    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    tl.store(y_ptr + row * stride_y + cols, (xn * w).to(y_ptr.dtype.element_ty), mask=mask)
+
+
+def _rows(t: torch.Tensor, n: int) -> torch.Tensor:
+    """[..., n] -> [rows, n] with unit stride along n (a view whenever possible)."""
+    t = t.reshape(-1, n)
+    return t if t.stride(-1) == 1 or t.shape[0] == 0 else t.contiguous()
+
+
+def _out_rows(out, shape, dtype, device, n):
+    """(the output tensor, its [rows, n] view the kernel writes through)."""
+    if out is None:
+        out = torch.empty(shape, dtype=dtype, device=device)
+    assert out.shape == shape and out.dtype == dtype, (out.shape, out.dtype, shape, dtype)
+    rows = out.view(-1, n)  # a view, never a copy (raises otherwise): the kernel writes through it
+    assert rows.stride(-1) == 1 or rows.shape[0] == 0
+    return out, rows
+
+
+def _rms_norm_launch(x, residual, weight, eps, out, residual_out):
+    n = x.shape[-1]
+    assert weight.shape == (n,), (weight.shape, n)
+    weight = weight.contiguous()
+    # `weight * y` with y in x's dtype: the result has the promoted dtype (== x.dtype in the model).
+    y_dtype = torch.promote_types(weight.dtype, x.dtype)
+    y, y2 = _out_rows(out, x.shape, y_dtype, x.device, n)
+    x2 = _rows(x, n)
+    rows = x2.shape[0]
+    if residual is not None:
+        assert residual.shape == x.shape and residual.dtype == x.dtype, (residual.shape, residual.dtype)
+        r2 = _rows(residual, n)
+        r_out, ro2 = _out_rows(residual_out, x.shape, x.dtype, x.device, n)
+    else:
+        r2, r_out, ro2 = x2, None, y2  # unused (HAS_RES=False); any valid pointers
+    if rows == 0:
+        return y, r_out
+    block = triton.next_power_of_2(n)
+    _rms_norm_kernel[(rows,)](
+        x2, r2, weight, y2, ro2,
+        x2.stride(0), r2.stride(0), y2.stride(0), ro2.stride(0),
+        float(eps),
+        N=n, BLOCK=block, HAS_RES=residual is not None, **_launch_opts(block),
+    )
+    return y, r_out
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6,
+             out: torch.Tensor | None = None) -> torch.Tensor:
+    """``RMSNorm.forward(x)``: ``weight * (x.float() * rsqrt(mean(x.float()^2) + eps)).to(x.dtype)``.
+
+    x: ``[..., H]`` (any leading shape; the hidden dim must be unit-stride or it is copied).
+    weight: ``[H]``. Returns a new tensor of dtype ``promote(x.dtype, weight.dtype)`` (x's dtype
+    in the model), or writes into ``out`` (which may alias ``x``: each row is read before written).
+    """
+    return _rms_norm_launch(x, None, weight, eps, out, None)[0]
+
+
+def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                       eps: float = 1e-6, out: torch.Tensor | None = None,
+                       residual_out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``RMSNorm.forward(x, residual)``: ``s = x.float() + residual.float()``; returns
+    ``(rms_norm(s) as in rms_norm, s.to(x.dtype))``.
+
+    In place: pass ``out=x, residual_out=residual`` (each program reads its whole row before it
+    writes, so aliasing either input is safe). Otherwise new tensors are allocated.
+    """
+    return _rms_norm_launch(x, residual, weight, eps, out, residual_out)
+
+
+# --------------------------------------------------------------------------------------------
+# SiLU-and-mul (SwiGLU on a fused [gate | up] projection)
+# --------------------------------------------------------------------------------------------
+@triton.jit
+def _silu_and_mul_kernel(x_ptr, y_ptr, stride_x, stride_y, I, BLOCK: tl.constexpr):
+    # grid = (rows, cdiv(I, BLOCK)): rows on axis 0, whose limit is 2^31-1 (axis 1 allows 65535).
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < I
+    src = x_ptr + row * stride_x + cols
+    gate = tl.load(src, mask=mask, other=0.0).to(tl.float32)
+    up = tl.load(src + I, mask=mask, other=0.0).to(tl.float32)
+    # F.silu computes x / (1 + exp(-x)) in fp32 and rounds to the dtype; then `silu * up` in
+    # the dtype = exact fp32 product of two 16-bit values rounded once.
+    silu = tl.div_rn(gate, 1.0 + tl.exp(-gate)).to(y_ptr.dtype.element_ty).to(tl.float32)
+    tl.store(y_ptr + row * stride_y + cols, (silu * up).to(y_ptr.dtype.element_ty), mask=mask)
+
+
+def silu_and_mul(x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """``SiluAndMul``: x ``[..., 2I]`` -> ``F.silu(x[..., :I]) * x[..., I:]`` of shape ``[..., I]``.
+
+    Returns a new tensor (x's dtype) or writes into ``out`` (may alias ``x[..., :I]``).
+    """
+    two_i = x.shape[-1]
+    assert two_i % 2 == 0, x.shape
+    i = two_i // 2
+    shape = (*x.shape[:-1], i)
+    y, y2 = _out_rows(out, shape, x.dtype, x.device, i)
+    x2 = _rows(x, two_i)
+    if x2.shape[0] == 0 or i == 0:
+        return y
+    block = min(1024, triton.next_power_of_2(i))
+    _silu_and_mul_kernel[(x2.shape[0], triton.cdiv(i, block))](
+        x2, y2, x2.stride(0), y2.stride(0), i, BLOCK=block, **_launch_opts(block),
+    )
+    return y
+
+
+# --------------------------------------------------------------------------------------------
+# Per-head q/k RMSNorm (Qwen3) + rotary embedding (rotate-half layout)
+# --------------------------------------------------------------------------------------------
+@triton.jit
+def _norm_rope_heads(
+    src, dst, w_ptr, stride_h, stride_dh, h0, H, cos, sin, eps,
+    HAS_NORM: tl.constexpr, HALF: tl.constexpr, BLOCK_HALF: tl.constexpr, G: tl.constexpr,
+):
+    # Heads [h0, h0+G) of one token. Work on the two rotate-half halves separately so the
+    # rotation needs no register shuffles: out1 = x1*cos - x2*sin, out2 = x2*cos + x1*sin.
+    h = h0 + tl.arange(0, G)
+    d = tl.arange(0, BLOCK_HALF)
+    if BLOCK_HALF == HALF:  # don't mask along the contiguous dim unless it is padded
+        mask = (h < H)[:, None]
+    else:
+        mask = (h < H)[:, None] & (d < HALF)[None, :]
+    p1 = src + h.to(tl.int64)[:, None] * stride_h + d[None, :]
+    x1 = tl.load(p1, mask=mask, other=0.0).to(tl.float32)
+    x2 = tl.load(p1 + HALF, mask=mask, other=0.0).to(tl.float32)
+    out_ty = dst.dtype.element_ty
+    if HAS_NORM:
+        # RMSNorm over the head dim, rounded like RMSNorm._norm: fp32 normalise -> input dtype
+        # -> times weight (exact in fp32) -> rounded to the output dtype; rope then reads that.
+        ss = tl.sum(x1 * x1, axis=1) + tl.sum(x2 * x2, axis=1)
+        var = tl.div_rn(ss, tl.full([G], 2 * HALF, tl.float32))  # same shape: see _rms_norm_kernel
+        r = tl.rsqrt(var + eps)[:, None]
+        wmask = d < HALF
+        w1 = tl.load(w_ptr + d, mask=wmask, other=0.0).to(tl.float32)[None, :]
+        w2 = tl.load(w_ptr + HALF + d, mask=wmask, other=0.0).to(tl.float32)[None, :]
+        in_ty = src.dtype.element_ty
+        x1 = ((x1 * r).to(in_ty).to(tl.float32) * w1).to(out_ty).to(tl.float32)
+        x2 = ((x2 * r).to(in_ty).to(tl.float32) * w2).to(out_ty).to(tl.float32)
+    # The same fp32 ops as rotary._rotate (no FMA contraction: enable_fp_fusion=False), rounded once.
+    o1 = x1 * cos - x2 * sin
+    o2 = x2 * cos + x1 * sin
+    q1 = dst + h.to(tl.int64)[:, None] * stride_dh + d[None, :]
+    tl.store(q1, o1.to(out_ty), mask=mask)
+    tl.store(q1 + HALF, o2.to(out_ty), mask=mask)
+
+
+@triton.jit
+def _qk_norm_rope_kernel(
+    q_ptr, k_ptr, qo_ptr, ko_ptr, qw_ptr, kw_ptr, pos_ptr, cs_ptr,
+    stride_qt, stride_qh, stride_kt, stride_kh,
+    stride_qot, stride_qoh, stride_kot, stride_koh, stride_cs,
+    HQ, HKV, eps,
+    HAS_NORM: tl.constexpr, HALF: tl.constexpr, BLOCK_HALF: tl.constexpr,
+    G: tl.constexpr, NQG: tl.constexpr,
+):
+    # grid = (T, NQG + NKG): axis 1 picks a group of G heads, the first NQG groups are q's.
+    # One launch for q and k; the token's cos/sin row is loaded once per program.
+    t = tl.program_id(0).to(tl.int64)
+    g = tl.program_id(1)
+    pos = tl.load(pos_ptr + t).to(tl.int64)
+    d = tl.arange(0, BLOCK_HALF)
+    cmask = d < HALF
+    cos = tl.load(cs_ptr + pos * stride_cs + d, mask=cmask, other=0.0).to(tl.float32)[None, :]
+    sin = tl.load(cs_ptr + pos * stride_cs + HALF + d, mask=cmask, other=0.0).to(tl.float32)[None, :]
+    if g < NQG:
+        _norm_rope_heads(q_ptr + t * stride_qt, qo_ptr + t * stride_qot, qw_ptr, stride_qh, stride_qoh,
+                         g * G, HQ, cos, sin, eps, HAS_NORM, HALF, BLOCK_HALF, G)
+    else:
+        _norm_rope_heads(k_ptr + t * stride_kt, ko_ptr + t * stride_kot, kw_ptr, stride_kh, stride_koh,
+                         (g - NQG) * G, HKV, cos, sin, eps, HAS_NORM, HALF, BLOCK_HALF, G)
+
+
+def _head_out(out, x, dtype):
+    if out is None:
+        return torch.empty(x.shape, dtype=dtype, device=x.device)
+    assert out.shape == x.shape and out.dtype == dtype and out.stride(-1) == 1, (out.shape, out.dtype)
+    return out
+
+
+def qk_norm_rope(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor,
+                 q_weight: torch.Tensor | None = None, k_weight: torch.Tensor | None = None,
+                 eps: float = 1e-6, q_out: torch.Tensor | None = None,
+                 k_out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Optional per-head RMSNorm (Qwen3 ``q_norm``/``k_norm``) then rotary embedding, in one launch.
+
+    q ``[T, Hq, D]``, k ``[T, Hkv, D]``: may be strided views (e.g. of the fused qkv output), the
+    last dim must be unit-stride. positions ``[T]`` (int32/int64). cos_sin_cache ``[max_pos, D]``
+    (``RotaryEmbedding.cos_sin_cache``: cos in the first half, sin in the second).
+    q_weight/k_weight ``[D]``: both or neither; without them it is rope only (Llama/Qwen2).
+
+    Equals ``RotaryEmbedding(positions, q_norm(q), k_norm(k))`` (or without the norms). Output
+    dtype: q's, or ``promote(q.dtype, weight.dtype)`` with norms (as torch would give). Returns new
+    contiguous ``[T, H, D]`` tensors, or writes into ``q_out``/``k_out`` (any strides with a
+    unit-stride last dim; they may alias q/k for an in-place update: a program reads all of its
+    heads before writing them and no two programs touch the same head).
+    """
+    assert q.dim() == 3 and k.dim() == 3 and q.shape[0] == k.shape[0] and q.shape[2] == k.shape[2]
+    assert q.dtype == k.dtype, (q.dtype, k.dtype)
+    t, hq, dim = q.shape
+    hkv = k.shape[1]
+    assert dim % 2 == 0 and cos_sin_cache.shape[-1] == dim, (dim, cos_sin_cache.shape)
+    assert positions.numel() == t, (positions.shape, t)
+    has_norm = q_weight is not None
+    assert has_norm == (k_weight is not None), "pass both q_weight and k_weight, or neither"
+    out_dtype = q.dtype
+    if has_norm:
+        assert q_weight.shape == (dim,) and k_weight.shape == (dim,)
+        assert q_weight.dtype == k_weight.dtype, (q_weight.dtype, k_weight.dtype)
+        out_dtype = torch.promote_types(q.dtype, q_weight.dtype)
+        q_weight, k_weight = q_weight.contiguous(), k_weight.contiguous()
+    if q.stride(-1) != 1:
+        q = q.contiguous()
+    if k.stride(-1) != 1:
+        k = k.contiguous()
+    q_out, k_out = _head_out(q_out, q, out_dtype), _head_out(k_out, k, out_dtype)
+    if t == 0:
+        return q_out, k_out
+    positions = positions.reshape(-1)
+    if positions.stride(0) != 1:
+        positions = positions.contiguous()
+    assert cos_sin_cache.stride(-1) == 1
+    half = dim // 2
+    block_half = triton.next_power_of_2(half)
+    # ~1024 elements of a [G heads, D] tile per program (Qwen3: 8 heads of 128 -> 3 programs per
+    # token), capped by the head count so small-head models don't launch idle lanes.
+    g = min(max(1, 1024 // (2 * block_half)), triton.next_power_of_2(max(hq, hkv)))
+    nqg, nkg = triton.cdiv(hq, g), triton.cdiv(hkv, g)
+    if not has_norm:  # HAS_NORM=False never reads them; any valid pointer will do
+        q_weight = k_weight = cos_sin_cache
+    _qk_norm_rope_kernel[(t, nqg + nkg)](
+        q, k, q_out, k_out, q_weight, k_weight, positions, cos_sin_cache,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1),
+        q_out.stride(0), q_out.stride(1), k_out.stride(0), k_out.stride(1), cos_sin_cache.stride(0),
+        hq, hkv, float(eps),
+        HAS_NORM=has_norm, HALF=half, BLOCK_HALF=block_half, G=g, NQG=nqg,
+        **_launch_opts(g * block_half),  # sized by one half-tile: 16 B bf16 vectors per thread
+    )
+    return q_out, k_out
+
+
+__all__ = ["rms_norm", "fused_add_rms_norm", "silu_and_mul", "qk_norm_rope"]

@@ -1,0 +1,276 @@
+"""Flash-decoding over a paged KV cache (one query token per sequence).
+
+Stage 1 (``_decode_split_kernel``): grid ``(batch, kv_heads * head_blocks, num_splits)``.
+Each program owns one KV head and ALL query heads mapped onto it (GQA group), so every
+K/V tile is read from HBM once per KV head.  The group's queries form a ``[BLOCK_G, D]``
+tile (padded to >= 16 rows) so the scores and the P@V product use ``tl.dot``.  The keys
+of a sequence are divided evenly among the splits *inside the kernel* (from ``seq_lens``),
+so the launch configuration never depends on GPU data and can be CUDA-graph captured.
+
+Stage 2 (``_decode_merge_kernel``): grid ``(batch, q_heads)``; combines the per-split
+partial outputs with their log-sum-exp.  With a single split, stage 1 writes the final
+output directly and stage 2 is skipped.
+
+All softmax math is fp32 in base 2: ``exp(x * scale) == exp2(x * scale * log2(e))``.
+"""
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+
+_LOG2E = 1.4426950408889634
+_NEG_INIT = tl.constexpr(-1.0e30)  # finite running-max init: exp2(-inf - (-inf)) would give NaN
+
+# Splitting heuristics (see choose_num_splits).
+_PROGRAMS_PER_SM = 4  # aim for this many stage-1 programs per SM (keeps enough loads in flight)
+_MIN_KEYS_PER_SPLIT = 128  # below this a split is mostly launch/merge overhead
+_MAX_SPLITS = 64
+
+
+@triton.jit
+def _decode_split_kernel(
+    q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr,
+    out_ptr, part_o_ptr, part_lse_ptr,
+    qk_scale,  # softmax scale * log2(e)
+    stride_qb, stride_qh,
+    stride_kb, stride_kt, stride_kh,  # k_cache strides: block, token-in-block, head
+    stride_vb, stride_vt, stride_vh,
+    stride_bt,
+    stride_ob, stride_oh,
+    num_q_heads,
+    num_splits,  # part_o is contiguous [B, Hq, num_splits, D], part_lse [B, Hq, num_splits]
+    GROUP: tl.constexpr,  # query heads per KV head
+    HEAD_BLOCKS: tl.constexpr,  # programs per KV head along the group (only when GROUP > BLOCK_G)
+    BLOCK_G: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    PAGE_SIZE: tl.constexpr,  # KV cache block size (tokens)
+    BLOCK_N: tl.constexpr,  # keys per tile; tiles may span several cache blocks
+    DIRECT_OUT: tl.constexpr,  # num_splits == 1: write the final output here
+    DOT_PREC: tl.constexpr,
+):
+    b = tl.program_id(0)
+    kv_head = tl.program_id(1) // HEAD_BLOCKS
+    hblk = tl.program_id(1) % HEAD_BLOCKS
+    split = tl.program_id(2)
+
+    g = hblk * BLOCK_G + tl.arange(0, BLOCK_G)
+    g_mask = g < GROUP
+    q_head = kv_head * GROUP + g
+    d = tl.arange(0, BLOCK_D)
+    d_mask = d < HEAD_DIM
+
+    # This split's key range; chunks are BLOCK_N-aligned so only the final tile is ragged.
+    seq_len = tl.load(seq_lens_ptr + b)
+    chunk = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
+    start = split * chunk
+    end = tl.minimum(start + chunk, seq_len)
+
+    q = tl.load(q_ptr + b * stride_qb + q_head[:, None] * stride_qh + d[None, :],
+                mask=g_mask[:, None] & d_mask[None, :], other=0.0)
+
+    m_i = tl.full([BLOCK_G], _NEG_INIT, tl.float32)
+    l_i = tl.zeros([BLOCK_G], tl.float32)
+    acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
+
+    bt_row = block_tables_ptr + b.to(tl.int64) * stride_bt
+    k_head = k_cache_ptr + kv_head * stride_kh
+    v_head = v_cache_ptr + kv_head * stride_vh
+    offs_n = tl.arange(0, BLOCK_N)
+    for n0 in range(start, end, BLOCK_N):
+        pos = n0 + offs_n
+        n_mask = pos < end
+        # Physical block per key (a tile may cross cache-block boundaries when
+        # PAGE_SIZE < BLOCK_N); int64 because block * stride_kb can exceed 2^31.
+        blk = tl.load(bt_row + pos // PAGE_SIZE, mask=n_mask, other=0).to(tl.int64)
+        tok = pos % PAGE_SIZE
+        # Mask only along keys unless head_dim is padded: a mask varying along head_dim
+        # would stop the compiler from emitting 16-byte vector loads.
+        if BLOCK_D == HEAD_DIM:
+            kv_mask = n_mask[:, None]
+        else:
+            kv_mask = n_mask[:, None] & d_mask[None, :]
+        k = tl.load(k_head + (blk * stride_kb + tok * stride_kt)[:, None] + d[None, :],
+                    mask=kv_mask, other=0.0)
+        v = tl.load(v_head + (blk * stride_vb + tok * stride_vt)[:, None] + d[None, :],
+                    mask=kv_mask, other=0.0)
+
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * qk_scale  # [BLOCK_G, BLOCK_N]
+        s = tl.where(n_mask[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PREC)
+        m_i = m_new
+
+    # Empty range (padding row, or a split beyond a short sequence): l_i == 0.
+    has_keys = l_i > 0.0
+    o = acc / tl.where(has_keys, l_i, 1.0)[:, None]
+    o_mask = g_mask[:, None] & d_mask[None, :]
+    if DIRECT_OUT:
+        tl.store(out_ptr + b * stride_ob + q_head[:, None] * stride_oh + d[None, :],
+                 o.to(out_ptr.dtype.element_ty), mask=o_mask)
+    else:
+        lse = tl.where(has_keys, m_i + tl.log2(tl.where(has_keys, l_i, 1.0)), float("-inf"))
+        row = (b * num_q_heads + q_head) * num_splits + split
+        tl.store(part_o_ptr + row[:, None] * HEAD_DIM + d[None, :], o, mask=o_mask)
+        tl.store(part_lse_ptr + row, lse, mask=g_mask)
+
+
+@triton.jit
+def _decode_merge_kernel(
+    out_ptr, part_o_ptr, part_lse_ptr,
+    stride_ob, stride_oh,
+    num_q_heads, num_splits,
+    BLOCK_S: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    s = tl.arange(0, BLOCK_S)
+    d = tl.arange(0, BLOCK_D)
+    s_mask = s < num_splits
+    row = (b * num_q_heads + h) * num_splits + s
+    lse = tl.load(part_lse_ptr + row, mask=s_mask, other=float("-inf"))
+    # Empty splits carry lse = -inf and get weight 0; an all-empty row (seq_len 0)
+    # ends with denom 0 and is written as zeros.
+    m = tl.max(lse, 0)
+    m = tl.where(m == float("-inf"), 0.0, m)
+    w = tl.exp2(lse - m)
+    denom = tl.sum(w, 0)
+    o = tl.load(part_o_ptr + row[:, None] * HEAD_DIM + d[None, :],
+                mask=s_mask[:, None] & (d[None, :] < HEAD_DIM), other=0.0)
+    o = tl.sum(o * w[:, None], 0) / tl.where(denom > 0.0, denom, 1.0)
+    tl.store(out_ptr + b * stride_ob + h * stride_oh + d, o.to(out_ptr.dtype.element_ty),
+             mask=d < HEAD_DIM)
+
+
+@functools.lru_cache(maxsize=None)
+def _num_sms(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def _device_sms(device: torch.device) -> int:
+    if device.type == "cuda":
+        return _num_sms(device.index if device.index is not None else torch.cuda.current_device())
+    return 8  # interpreter / CPU: any small number keeps the split path exercised
+
+
+def _decode_config(head_dim: int, group: int):
+    """(BLOCK_G, BLOCK_N, num_warps, num_stages); a fixed table, no autotuning, so the
+    first call inside a CUDA-graph capture doesn't benchmark anything."""
+    block_g = min(max(16, triton.next_power_of_2(group)), 64)
+    block_d = triton.next_power_of_2(head_dim)
+    if block_d <= 64:
+        return block_g, 128, 4, 3
+    if block_d <= 128:
+        return block_g, 64, 4, 3
+    return block_g, 32, 4, 2
+
+
+def choose_num_splits(batch: int, num_q_heads: int, num_kv_heads: int, head_dim: int,
+                      device: torch.device, max_seq_len_hint: int | None = None) -> int:
+    """Number of KV splits per sequence; depends only on host-side shapes.
+
+    Aim for ~_PROGRAMS_PER_SM stage-1 programs per SM, but never give a split fewer than
+    ~_MIN_KEYS_PER_SPLIT keys of the longest possible sequence (``max_seq_len_hint``;
+    unknown -> assume long).  For CUDA graphs pass the same hint at capture and replay.
+    """
+    block_g = _decode_config(head_dim, num_q_heads // num_kv_heads)[0]
+    head_blocks = triton.cdiv(num_q_heads // num_kv_heads, block_g)
+    programs = max(1, batch * num_kv_heads * head_blocks)
+    splits = triton.cdiv(_PROGRAMS_PER_SM * _device_sms(device), programs)
+    if max_seq_len_hint is not None:
+        splits = min(splits, triton.cdiv(max(max_seq_len_hint, 1), _MIN_KEYS_PER_SPLIT))
+    return max(1, min(splits, _MAX_SPLITS))
+
+
+def alloc_decode_workspace(max_batch: int, num_q_heads: int, head_dim: int, num_splits: int,
+                           device: torch.device):
+    """Preallocated stage-1 buffers (for CUDA graphs): (partial outputs, partial lse)."""
+    part_o = torch.empty(max_batch * num_q_heads * num_splits * head_dim,
+                         dtype=torch.float32, device=device)
+    part_lse = torch.empty(max_batch * num_q_heads * num_splits, dtype=torch.float32, device=device)
+    return part_o, part_lse
+
+
+def paged_decode_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    out: torch.Tensor | None = None,
+    num_splits: int | None = None,
+    workspace: tuple[torch.Tensor, torch.Tensor] | None = None,
+    max_seq_len_hint: int | None = None,
+    _config: tuple | None = None,  # (BLOCK_G, BLOCK_N, num_warps, num_stages), for benchmarks
+) -> torch.Tensor:
+    """Attention of one query token per sequence over its ``seq_lens[b]`` cached keys.
+
+    q: [B, Hq, D]; k_cache/v_cache: [num_blocks, block_size, Hkv, D];
+    block_tables: [B, max_blocks] int32; seq_lens: [B] int32 (0 = padding row -> zeros).
+    ``workspace``: optional (part_o, part_lse) from ``alloc_decode_workspace`` with room for
+    at least B x Hq x num_splits entries.  Returns ``out`` ([B, Hq, D], q's dtype).
+    """
+    batch, num_q_heads, head_dim = q.shape
+    _, page_size, num_kv_heads, _ = k_cache.shape
+    assert num_q_heads % num_kv_heads == 0 and k_cache.shape[-1] == head_dim
+    assert q.dtype == k_cache.dtype == v_cache.dtype, "q and the KV cache must share a dtype"
+    group = num_q_heads // num_kv_heads
+    if q.stride(-1) != 1:
+        q = q.contiguous()
+    assert k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1
+    assert block_tables.stride(-1) == 1
+    if out is None:
+        out = torch.empty(batch, num_q_heads, head_dim, dtype=q.dtype, device=q.device)
+    assert out.stride(-1) == 1
+    if batch == 0:
+        return out
+
+    block_g, block_n, num_warps, num_stages = _config or _decode_config(head_dim, group)
+    block_d = triton.next_power_of_2(head_dim)
+    head_blocks = triton.cdiv(group, block_g)
+    if num_splits is None:
+        num_splits = choose_num_splits(batch, num_q_heads, num_kv_heads, head_dim,
+                                       q.device, max_seq_len_hint)
+    direct = num_splits == 1
+
+    if direct:
+        part_o = part_lse = out  # unused placeholders
+    else:
+        n = batch * num_q_heads * num_splits
+        if workspace is None:
+            workspace = alloc_decode_workspace(batch, num_q_heads, head_dim, num_splits, q.device)
+        part_o = workspace[0].view(-1)[: n * head_dim]
+        part_lse = workspace[1].view(-1)[:n]
+    dot_prec = "ieee" if q.dtype == torch.float32 else "tf32"
+    _decode_split_kernel[(batch, num_kv_heads * head_blocks, num_splits)](
+        q, k_cache, v_cache, block_tables, seq_lens,
+        out, part_o, part_lse,
+        scale * _LOG2E,
+        q.stride(0), q.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        block_tables.stride(0),
+        out.stride(0), out.stride(1),
+        num_q_heads, num_splits,
+        GROUP=group, HEAD_BLOCKS=head_blocks, BLOCK_G=block_g,
+        HEAD_DIM=head_dim, BLOCK_D=block_d,
+        PAGE_SIZE=page_size, BLOCK_N=block_n,
+        DIRECT_OUT=direct, DOT_PREC=dot_prec,
+        num_warps=num_warps, num_stages=num_stages,
+    )
+    if not direct:
+        _decode_merge_kernel[(batch, num_q_heads)](
+            out, part_o, part_lse,
+            out.stride(0), out.stride(1),
+            num_q_heads, num_splits,
+            BLOCK_S=triton.next_power_of_2(num_splits),
+            HEAD_DIM=head_dim, BLOCK_D=block_d,
+            num_warps=4 if block_d * num_splits <= 4096 else 8,
+        )
+    return out

@@ -1,0 +1,220 @@
+"""Variable-length causal attention over a paged KV cache (prefill / chunked prefill).
+
+Sequence ``b`` has ``q_len = cu_seqlens_q[b+1] - cu_seqlens_q[b]`` new query tokens and
+``seq_lens[b]`` total keys (cached prefix + new tokens, all already in the cache).  Query
+``i`` sits at absolute position ``seq_lens[b] - q_len + i`` and sees keys ``0..position``.
+This one kernel covers plain prefill, chunked prefill, prefix-cache hits and q_len=1 rows.
+
+Grid ``(batch * kv_heads, query tiles)``.  A program handles BLOCK_Q query tokens for ALL
+query heads of one KV head: its ``BLOCK_M = BLOCK_Q * GROUP`` rows are (token, head) pairs,
+so each K/V tile feeds GROUP heads at once (fewer loads than one program per query head,
+and q_len=1 rows still fill the MMA).  Keys are processed in BLOCK_N tiles: first the tiles
+every row of the block may see (no mask), then the few tiles crossing the causal diagonal.
+Query tiles are launched last-first so the longest programs start earliest.
+"""
+
+import torch
+import triton
+import triton.language as tl
+
+_LOG2E = 1.4426950408889634
+_NEG_INIT = tl.constexpr(-1.0e30)  # finite running-max init: keeps fully-masked rows free of NaN
+
+
+@triton.jit
+def _load_kv(ptrs, n_mask, d, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, MASK_N: tl.constexpr):
+    """Load a [BLOCK_N, BLOCK_D] K/V tile.  Masks are only emitted where needed: a mask
+    that varies along head_dim would stop the compiler from using 16-byte vector loads."""
+    if BLOCK_D == HEAD_DIM:
+        if MASK_N:
+            x = tl.load(ptrs, mask=n_mask[:, None], other=0.0)
+        else:
+            x = tl.load(ptrs)
+    else:
+        if MASK_N:
+            x = tl.load(ptrs, mask=n_mask[:, None] & (d[None, :] < HEAD_DIM), other=0.0)
+        else:
+            x = tl.load(ptrs, mask=d[None, :] < HEAD_DIM, other=0.0)
+    return x
+
+
+@triton.jit
+def _attend_tile(q, acc, m_i, l_i, n0, offs_n, bt_row, k_head, v_head, d, q_pos,
+                 kv_end, qk_scale, stride_kb, stride_kt, stride_vb, stride_vt,
+                 HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, PAGE_SIZE: tl.constexpr,
+                 MASKED: tl.constexpr, DOT_PREC: tl.constexpr):
+    """One online-softmax step over the keys n0 .. n0 + BLOCK_N."""
+    pos = n0 + offs_n
+    n_mask = pos < kv_end
+    if MASKED:
+        blk = tl.load(bt_row + pos // PAGE_SIZE, mask=n_mask, other=0).to(tl.int64)
+    else:
+        blk = tl.load(bt_row + pos // PAGE_SIZE).to(tl.int64)
+    # A tile may span several cache blocks: address each key through its own block id.
+    tok = pos % PAGE_SIZE
+    k = _load_kv(k_head + (blk * stride_kb + tok * stride_kt)[:, None] + d[None, :],
+                 n_mask, d, HEAD_DIM, BLOCK_D, MASKED)
+    v = _load_kv(v_head + (blk * stride_vb + tok * stride_vt)[:, None] + d[None, :],
+                 n_mask, d, HEAD_DIM, BLOCK_D, MASKED)
+
+    s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * qk_scale  # [BLOCK_M, BLOCK_N]
+    if MASKED:
+        causal = (pos[None, :] <= q_pos[:, None]) & n_mask[None, :]
+        s = tl.where(causal, s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(s - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PREC)
+    return acc, m_new, l_i
+
+
+@triton.jit
+def _prefill_kernel(
+    q_ptr, k_cache_ptr, v_cache_ptr, out_ptr,
+    cu_seqlens_q_ptr, seq_lens_ptr, block_tables_ptr,
+    qk_scale,  # softmax scale * log2(e)
+    num_kv_heads,
+    stride_qt, stride_qh,
+    stride_kb, stride_kt, stride_kh,  # k_cache strides: block, token-in-block, head
+    stride_vb, stride_vt, stride_vh,
+    stride_ot, stride_oh,
+    stride_bt,
+    GROUP: tl.constexpr,  # query heads per KV head
+    BLOCK_Q: tl.constexpr,  # query tokens per program (BLOCK_M // GROUP)
+    BLOCK_M: tl.constexpr,  # (token, head) rows per program; BLOCK_Q * GROUP <= BLOCK_M
+    BLOCK_N: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    PAGE_SIZE: tl.constexpr,
+    DOT_PREC: tl.constexpr,
+):
+    b = tl.program_id(0) // num_kv_heads
+    kv_head = tl.program_id(0) % num_kv_heads
+    tile = tl.num_programs(1) - 1 - tl.program_id(1)  # heaviest (latest) tiles first
+
+    q_start = tl.load(cu_seqlens_q_ptr + b)
+    q_len = tl.load(cu_seqlens_q_ptr + b + 1) - q_start
+    first_tok = tile * BLOCK_Q
+    if first_tok >= q_len:  # shorter sequence than the grid's longest one
+        return
+    seq_len = tl.load(seq_lens_ptr + b)
+    prefix = seq_len - q_len  # keys already cached before this chunk
+
+    # Row r <-> (token first_tok + r // GROUP, head kv_head * GROUP + r % GROUP).
+    r = tl.arange(0, BLOCK_M)
+    tok = first_tok + r // GROUP
+    row_mask = (r < BLOCK_Q * GROUP) & (tok < q_len)
+    q_head = kv_head * GROUP + r % GROUP
+    q_pos = prefix + tok
+    d = tl.arange(0, BLOCK_D)
+    io_mask = row_mask[:, None] & (d[None, :] < HEAD_DIM)
+    q_row = (q_start + tok).to(tl.int64)
+    q = tl.load(q_ptr + q_row[:, None] * stride_qt + q_head[:, None] * stride_qh + d[None, :],
+                mask=io_mask, other=0.0)
+
+    m_i = tl.full([BLOCK_M], _NEG_INIT, tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+
+    bt_row = block_tables_ptr + b.to(tl.int64) * stride_bt
+    k_head = k_cache_ptr + kv_head * stride_kh
+    v_head = v_cache_ptr + kv_head * stride_vh
+    offs_n = tl.arange(0, BLOCK_N)
+    # Keys < full_end are visible to every row (all rows sit at positions >= prefix +
+    # first_tok); keys in [full_end, kv_end) need the causal mask.
+    full_end = (prefix + first_tok + 1) // BLOCK_N * BLOCK_N
+    kv_end = prefix + tl.minimum(first_tok + BLOCK_Q, q_len)
+    for n0 in range(0, full_end, BLOCK_N):
+        acc, m_i, l_i = _attend_tile(q, acc, m_i, l_i, n0, offs_n, bt_row, k_head, v_head, d,
+                                     q_pos, kv_end, qk_scale,
+                                     stride_kb, stride_kt, stride_vb, stride_vt,
+                                     HEAD_DIM, BLOCK_D, PAGE_SIZE, False, DOT_PREC)
+    for n0 in range(full_end, kv_end, BLOCK_N):
+        acc, m_i, l_i = _attend_tile(q, acc, m_i, l_i, n0, offs_n, bt_row, k_head, v_head, d,
+                                     q_pos, kv_end, qk_scale,
+                                     stride_kb, stride_kt, stride_vb, stride_vt,
+                                     HEAD_DIM, BLOCK_D, PAGE_SIZE, True, DOT_PREC)
+
+    # Every stored row saw key 0, so l_i > 0 there; the guard only protects padded rows.
+    o = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
+    tl.store(out_ptr + q_row[:, None] * stride_ot + q_head[:, None] * stride_oh + d[None, :],
+             o.to(out_ptr.dtype.element_ty), mask=io_mask)
+
+
+def _prefill_config(head_dim: int, group: int, max_query_len: int):
+    """(BLOCK_M, BLOCK_N, num_warps, num_stages): fixed table (no autotuning)."""
+    block_d = triton.next_power_of_2(head_dim)
+    rows = max_query_len * group
+    if rows <= 16:  # decode-like / tiny chunks: small tiles, no wasted MMA rows
+        block_m, num_warps = 16, 4
+    elif rows <= 32:
+        block_m, num_warps = 32, 4
+    elif rows <= 64:
+        block_m, num_warps = 64, 4
+    else:  # 2 warpgroups x m64 wgmma on Hopper; 4 warps would need ~250 regs/thread
+        block_m, num_warps = 128, 8
+    block_m = max(block_m, triton.next_power_of_2(group))
+    if block_d <= 128:
+        block_n, num_stages = 64, 3
+    else:  # head_dim 256: keep Q + 2 stages of K/V within shared memory
+        block_n, num_stages = 32, 2
+    return block_m, block_n, num_warps, num_stages
+
+
+def paged_prefill_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    seq_lens: torch.Tensor,
+    block_tables: torch.Tensor,
+    max_query_len: int,
+    scale: float,
+    out: torch.Tensor | None = None,
+    _config: tuple | None = None,  # (BLOCK_M, BLOCK_N, num_warps, num_stages), for benchmarks
+) -> torch.Tensor:
+    """Causal (with prefix offset) attention of packed queries over the paged cache.
+
+    q: [total_q, Hq, D]; k_cache/v_cache: [num_blocks, block_size, Hkv, D];
+    cu_seqlens_q: [B+1] int32; seq_lens: [B] int32 (>= each sequence's q_len);
+    block_tables: [B, max_blocks] int32; max_query_len: host int >= every q_len.
+    Returns ``out`` ([total_q, Hq, D], q's dtype).
+    """
+    total_q, num_q_heads, head_dim = q.shape
+    _, page_size, num_kv_heads, _ = k_cache.shape
+    assert num_q_heads % num_kv_heads == 0 and k_cache.shape[-1] == head_dim
+    assert q.dtype == k_cache.dtype == v_cache.dtype, "q and the KV cache must share a dtype"
+    group = num_q_heads // num_kv_heads
+    batch = seq_lens.shape[0]
+    assert cu_seqlens_q.shape[0] == batch + 1
+    if q.stride(-1) != 1:
+        q = q.contiguous()
+    assert k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1
+    assert block_tables.stride(-1) == 1
+    if out is None:
+        out = torch.empty(total_q, num_q_heads, head_dim, dtype=q.dtype, device=q.device)
+    assert out.stride(-1) == 1
+    if total_q == 0 or batch == 0 or max_query_len <= 0:
+        return out
+
+    block_m, block_n, num_warps, num_stages = _config or _prefill_config(
+        head_dim, group, max_query_len)
+    block_q = max(1, block_m // group)
+    grid = (batch * num_kv_heads, triton.cdiv(max_query_len, block_q))
+    _prefill_kernel[grid](
+        q, k_cache, v_cache, out,
+        cu_seqlens_q, seq_lens, block_tables,
+        scale * _LOG2E,
+        num_kv_heads,
+        q.stride(0), q.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        out.stride(0), out.stride(1),
+        block_tables.stride(0),
+        GROUP=group, BLOCK_Q=block_q, BLOCK_M=block_m, BLOCK_N=block_n,
+        HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim),
+        PAGE_SIZE=page_size,
+        DOT_PREC="ieee" if q.dtype == torch.float32 else "tf32",
+        num_warps=num_warps, num_stages=num_stages,
+    )
+    return out

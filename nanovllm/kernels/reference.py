@@ -1,0 +1,100 @@
+"""Plain-torch reference implementations of the paged-attention kernels (slow, for tests),
+plus a helper that builds random paged caches with shuffled block tables."""
+
+import torch
+import torch.nn.functional as F
+
+
+def store_kv_cache(key, value, k_cache, v_cache, slot_mapping):
+    """Reference of ``nanovllm.kernels.store_kv_cache`` (skips slots < 0)."""
+    valid = slot_mapping >= 0
+    slots = slot_mapping[valid].long()
+    k_cache.view(-1, *k_cache.shape[2:])[slots] = key[valid].to(k_cache.dtype)
+    v_cache.view(-1, *v_cache.shape[2:])[slots] = value[valid].to(v_cache.dtype)
+
+
+def gather_kv(cache: torch.Tensor, block_table: torch.Tensor, length: int) -> torch.Tensor:
+    """The first ``length`` tokens of one sequence: ``[length, num_kv_heads, head_dim]``."""
+    block_size = cache.shape[1]
+    num_blocks = -(-length // block_size)
+    return cache[block_table[:num_blocks].long()].flatten(0, 1)[:length]
+
+
+def _attend(q, k, v, q_pos, scale):
+    """q [M, Hq, D] at absolute positions q_pos [M]; k/v [L, Hkv, D]; fp32 math."""
+    group = q.shape[1] // k.shape[1]
+    k = k.repeat_interleave(group, dim=1)
+    v = v.repeat_interleave(group, dim=1)
+    mask = torch.arange(k.shape[0], device=q.device)[None, :] <= q_pos[:, None]  # [M, L]
+    out = F.scaled_dot_product_attention(
+        q.transpose(0, 1).float(), k.transpose(0, 1).float(), v.transpose(0, 1).float(),
+        attn_mask=mask, scale=scale)
+    return out.transpose(0, 1)
+
+
+def paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale, out=None, **_):
+    """Reference of ``nanovllm.kernels.paged_decode_attention``."""
+    if out is None:
+        out = torch.empty_like(q)
+    for b, length in enumerate(seq_lens.tolist()):
+        if length == 0:
+            out[b] = 0
+            continue
+        k = gather_kv(k_cache, block_tables[b], length)
+        v = gather_kv(v_cache, block_tables[b], length)
+        q_pos = torch.tensor([length - 1], device=q.device)
+        out[b] = _attend(q[b:b + 1], k, v, q_pos, scale)[0].to(out.dtype)
+    return out
+
+
+def paged_prefill_attention(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables,
+                            max_query_len, scale, out=None, **_):
+    """Reference of ``nanovllm.kernels.paged_prefill_attention``."""
+    if out is None:
+        out = torch.empty_like(q)
+    cu = cu_seqlens_q.tolist()
+    for b, length in enumerate(seq_lens.tolist()):
+        start, end = cu[b], cu[b + 1]
+        q_len = end - start
+        if q_len == 0:
+            continue
+        assert q_len <= max_query_len and q_len <= length
+        k = gather_kv(k_cache, block_tables[b], length)
+        v = gather_kv(v_cache, block_tables[b], length)
+        q_pos = torch.arange(length - q_len, length, device=q.device)
+        out[start:end] = _attend(q[start:end], k, v, q_pos, scale).to(out.dtype)
+    return out
+
+
+def random_paged_kv(seq_lens, num_kv_heads, head_dim, block_size, dtype, device,
+                    generator=None, spare_blocks=3, poison=True):
+    """Random K/V caches holding ``len(seq_lens)`` sequences in shuffled, non-contiguous
+    blocks.  Returns ``(k_cache, v_cache, block_tables)``; block-table padding is -1.
+    With ``poison``, every slot that holds no sequence token (spare blocks, the tails of
+    last blocks) is NaN, so a kernel that reads past ``seq_len`` produces NaN."""
+    counts = [-(-n // block_size) for n in seq_lens]
+    num_blocks = sum(counts) + spare_blocks
+    shape = (num_blocks, block_size, num_kv_heads, head_dim)
+    if generator is None:  # fast path for big GPU caches: sample directly on the device
+        k_cache = torch.randn(shape, device=device, dtype=dtype)
+        v_cache = torch.randn(shape, device=device, dtype=dtype)
+    else:
+        k_cache = torch.randn(shape, generator=generator).to(device, dtype)
+        v_cache = torch.randn(shape, generator=generator).to(device, dtype)
+    perm = torch.randperm(num_blocks, generator=generator).tolist()
+    block_tables = torch.full((len(seq_lens), max(max(counts, default=1), 1)), -1,
+                              dtype=torch.int32)
+    used = torch.zeros(num_blocks, block_size, dtype=torch.bool)
+    i = 0
+    for b, (n, c) in enumerate(zip(seq_lens, counts)):
+        ids = torch.tensor(perm[i:i + c], dtype=torch.int64)
+        i += c
+        block_tables[b, :c] = ids.int()
+        if poison and c:
+            used[ids] = True
+            used[ids[-1], n - (c - 1) * block_size:] = False  # tail of the last block
+    if poison:
+        unused = (~used).flatten().to(device)
+        k_cache.view(-1, num_kv_heads, head_dim)[unused] = float("nan")
+        v_cache.view(-1, num_kv_heads, head_dim)[unused] = float("nan")
+    return k_cache, v_cache, block_tables.to(device)

@@ -1,0 +1,107 @@
+"""The final draw of the sampler in one pass over the logits.
+
+For each row: greedy rows (temperature 0) take the argmax of the logits; random rows take the
+argmax of logits / T - log(E) with E ~ Exp(1) (the Gumbel-max form of "argmax of p / E": a draw
+from softmax(logits / T)), where E is a pure function of (row key, token id) through the same
+murmur3 mix as `nanovllm.layers.sampler.exponential_noise`. One read of the logits in their own
+dtype replaces the float copy, softmax, noise tensor and division of the torch path.
+
+The vocabulary is split across programs (a row alone is too little parallelism for one SM);
+each writes its best (score, index) and a second, tiny pass picks the row's winner.
+"""
+import functools
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _mix32(x):
+    # The masks keep the arithmetic mod 2^32 even if a constant promotes x to int64.
+    x = x ^ (x >> 16)
+    x = (x * 0x85EBCA6B) & 0xFFFFFFFF
+    x = x ^ (x >> 13)
+    x = (x * 0xC2B2AE35) & 0xFFFFFFFF
+    return x ^ (x >> 16)
+
+
+@triton.jit
+def _sample_split_kernel(logits_ptr, stride_row, temps_ptr, row_keys_ptr, part_score_ptr, part_idx_ptr,
+                         vocab_size, chunk, num_splits, BLOCK: tl.constexpr):
+    row = tl.program_id(0)
+    split = tl.program_id(1)
+    temp = tl.load(temps_ptr + row)
+    greedy = temp <= 0.0
+    inv_t = 1.0 / tl.where(greedy, 1.0, temp)
+    key = tl.load(row_keys_ptr + row).to(tl.uint32)
+    salt = key >> 7
+    best = tl.full([BLOCK], float("-inf"), tl.float32)
+    best_idx = tl.full([BLOCK], 0, tl.int32)
+    base = logits_ptr + row.to(tl.int64) * stride_row
+    lo = split * chunk
+    hi = tl.minimum(lo + chunk, vocab_size)
+    for start in range(lo, hi, BLOCK):
+        cols = start + tl.arange(0, BLOCK)
+        mask = cols < hi
+        x = tl.load(base + cols, mask=mask, other=float("-inf")).to(tl.float32)
+        bits = _mix32(_mix32(key ^ cols.to(tl.uint32)) ^ salt)
+        u = ((bits >> 8).to(tl.float32) + 0.5) * (1.0 / 16777216.0)
+        gumbel = -tl.log(-tl.log(u))
+        score = tl.where(greedy, x, x * inv_t + gumbel)
+        score = tl.where(mask, score, float("-inf"))
+        better = score > best  # strict: the first of equal scores wins, as in torch.argmax
+        best = tl.where(better, score, best)
+        best_idx = tl.where(better, cols, best_idx)
+    top = tl.max(best, axis=0)
+    # Lowest index among the lanes holding the maximum (torch.argmax's tie rule).
+    idx = tl.min(tl.where(best == top, best_idx, vocab_size), axis=0)
+    tl.store(part_score_ptr + row * num_splits + split, top)
+    tl.store(part_idx_ptr + row * num_splits + split, idx)
+
+
+@triton.jit
+def _sample_merge_kernel(part_score_ptr, part_idx_ptr, out_ptr, num_splits, vocab_size, BLOCK_S: tl.constexpr):
+    row = tl.program_id(0)
+    s = tl.arange(0, BLOCK_S)
+    mask = s < num_splits
+    score = tl.load(part_score_ptr + row * num_splits + s, mask=mask, other=float("-inf"))
+    idx = tl.load(part_idx_ptr + row * num_splits + s, mask=mask, other=vocab_size)
+    top = tl.max(score, axis=0)
+    # Splits cover increasing token ranges: the lowest index among equal maxima wins.
+    tl.store(out_ptr + row, tl.min(tl.where(score == top, idx, vocab_size), axis=0).to(tl.int64))
+
+
+@functools.lru_cache(maxsize=None)
+def _num_sms(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def _num_splits(batch: int, vocab_size: int, device: torch.device, block: int) -> int:
+    sms = _num_sms(device.index if device.index is not None else torch.cuda.current_device()) \
+        if device.type == "cuda" else 4
+    # ~4 programs per SM, but no split smaller than a few tiles.
+    return max(1, min(triton.cdiv(4 * sms, batch), triton.cdiv(vocab_size, 4 * block), 64))
+
+
+def sample_rows(logits: torch.Tensor, temperatures: torch.Tensor, row_keys: torch.Tensor,
+                out: torch.Tensor | None = None) -> torch.Tensor:
+    """logits [B, V] (any float dtype, unit stride on V); temperatures [B] float32 (0: greedy);
+    row_keys [B] int64 from `nanovllm.layers.sampler.row_keys`. Returns [B] int64 token ids."""
+    batch, vocab_size = logits.shape
+    assert logits.stride(-1) == 1
+    if out is None:
+        out = torch.empty(batch, dtype=torch.int64, device=logits.device)
+    if batch == 0:
+        return out
+    block = 1024
+    splits = _num_splits(batch, vocab_size, logits.device, block)
+    chunk = triton.cdiv(triton.cdiv(vocab_size, splits), block) * block
+    splits = triton.cdiv(vocab_size, chunk)
+    part_score = torch.empty(batch, splits, dtype=torch.float32, device=logits.device)
+    part_idx = torch.empty(batch, splits, dtype=torch.int32, device=logits.device)
+    _sample_split_kernel[(batch, splits)](logits, logits.stride(0), temperatures, row_keys, part_score, part_idx,
+                                          vocab_size, chunk, splits, BLOCK=block, num_warps=4)
+    _sample_merge_kernel[(batch,)](part_score, part_idx, out, splits, vocab_size,
+                                   BLOCK_S=max(16, triton.next_power_of_2(splits)), num_warps=1)
+    return out

@@ -1,0 +1,85 @@
+"""Write freshly computed keys/values into the paged KV cache.
+
+Cache layout (per layer): ``[num_blocks, block_size, num_kv_heads, head_dim]``.
+Token ``i`` of the batch goes to ``slot_mapping[i] = block_id * block_size + offset``.
+A negative slot means "skip": CUDA-graph padding rows carry slot -1.
+"""
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _store_kv_kernel(
+    key_ptr, value_ptr, k_cache_ptr, v_cache_ptr, slot_ptr,
+    block_size,
+    stride_kn, stride_kh,  # key   [N, H, D], last dim has unit stride
+    stride_vn, stride_vh,  # value [N, H, D]
+    stride_cb, stride_ct, stride_ch,  # k_cache strides (block, token, head)
+    stride_vcb, stride_vct, stride_vch,  # v_cache strides
+    NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    # One program per token: it copies all [num_kv_heads, head_dim] values.
+    i = tl.program_id(0)
+    slot = tl.load(slot_ptr + i).to(tl.int64)
+    if slot < 0:
+        return
+    # int64: block_id * stride_cb can exceed 2^31 for large caches.
+    blk = slot // block_size
+    off = slot % block_size
+
+    h = tl.arange(0, BLOCK_H)
+    d = tl.arange(0, BLOCK_D)
+    # Only mask along head_dim when it is padded: a mask varying along the contiguous
+    # dimension prevents 16-byte vector loads/stores.
+    if BLOCK_D == HEAD_DIM:
+        mask = h[:, None] < NUM_HEADS
+    else:
+        mask = (h[:, None] < NUM_HEADS) & (d[None, :] < HEAD_DIM)
+
+    row = i.to(tl.int64)
+    k = tl.load(key_ptr + row * stride_kn + h[:, None] * stride_kh + d[None, :], mask=mask)
+    v = tl.load(value_ptr + row * stride_vn + h[:, None] * stride_vh + d[None, :], mask=mask)
+
+    k_dst = k_cache_ptr + blk * stride_cb + off * stride_ct + h[:, None] * stride_ch + d[None, :]
+    v_dst = v_cache_ptr + blk * stride_vcb + off * stride_vct + h[:, None] * stride_vch + d[None, :]
+    tl.store(k_dst, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
+    tl.store(v_dst, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
+
+
+def store_kv_cache(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """Scatter ``key``/``value`` ``[N, num_kv_heads, head_dim]`` into the caches at
+    ``slot_mapping`` ``[N]`` (int32/int64; slots < 0 are skipped). In place."""
+    n, num_heads, head_dim = key.shape
+    assert value.shape == key.shape and slot_mapping.numel() == n
+    assert k_cache.shape == v_cache.shape and k_cache.shape[2:] == (num_heads, head_dim)
+    if n == 0:
+        return
+    if key.stride(-1) != 1:
+        key = key.contiguous()
+    if value.stride(-1) != 1:
+        value = value.contiguous()
+    assert k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1
+    block_h = triton.next_power_of_2(num_heads)
+    block_d = triton.next_power_of_2(head_dim)
+    # Big rows (many heads x wide dims) get more warps so each thread moves ~16B chunks.
+    num_warps = 4 if block_h * block_d <= 4096 else 8
+    _store_kv_kernel[(n,)](
+        key, value, k_cache, v_cache, slot_mapping,
+        k_cache.shape[1],
+        key.stride(0), key.stride(1),
+        value.stride(0), value.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        NUM_HEADS=num_heads, HEAD_DIM=head_dim,
+        BLOCK_H=block_h, BLOCK_D=block_d,
+        num_warps=num_warps,
+    )
