@@ -112,6 +112,7 @@ def main():
     ap.add_argument("--max-model-len", type=int, default=4096)
     ap.add_argument("--single", action="store_true", help="one request: 128-token prompt, 512 new tokens")
     ap.add_argument("--enforce-eager", action="store_true")
+    ap.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
     ap.add_argument("--device", default="auto")
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--top-p", type=float, default=1.0, help="sampling filter to price (default: off)")
@@ -122,7 +123,7 @@ def main():
 
     path, cfg, load_format = model_dir(args)
     llm = LLM(path, enforce_eager=args.enforce_eager, max_model_len=args.max_model_len, load_format=load_format,
-              device=args.device, dtype=args.dtype)
+              device=args.device, dtype=args.dtype, tensor_parallel_size=args.tensor_parallel_size)
     device = llm.config.device
     print(f"num_kvcache_blocks={llm.config.num_kvcache_blocks} block_size={llm.config.kvcache_block_size} "
           f"dtype={llm.config.torch_dtype} device={device}")
@@ -161,6 +162,7 @@ def main():
         "measured_bandwidth_TBps": bandwidth / 1e12, "measured_matmul_TFLOPs": flops / 1e12,
         "ideal_time_s": roof["ideal_time_s"], "roofline_tok_s": ideal_tput,
         "fraction_of_roofline": throughput / ideal_tput, "enforce_eager": args.enforce_eager,
+        "tensor_parallel_size": args.tensor_parallel_size,
         "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
     }
     print(f"Total: {out_tokens} tok, Time: {elapsed:.2f}s, Throughput: {throughput:,.0f} tok/s")

@@ -29,3 +29,13 @@ def hf_reference(model_factory):
             refs[arch] = HFReference(model_factory(arch))
         return refs[arch]
     return get
+
+
+@pytest.fixture(scope="session")
+def smollm_dir(tmp_path_factory):
+    """The embedded SmolLM2 GGUF converted once per session into a private cache; the cache
+    variable stays set so LLM() and the CLI (child processes inherit it) find this entry."""
+    cache = tmp_path_factory.mktemp("nanovllm-cache")
+    os.environ["NANOVLLM_CACHE_DIR"] = str(cache)
+    from nanovllm.models.model_path import resolve_model_path
+    return resolve_model_path(None)

@@ -3,12 +3,15 @@ import random
 import time
 
 from nanovllm.config import Config
+from nanovllm.logger import init_logger
 from nanovllm.engine.block_manager import BlockManager
 from nanovllm.engine.output_processor import OutputProcessor
 from nanovllm.engine.scheduler import Scheduler
 from nanovllm.engine.sequence import Sequence
 from nanovllm.engine.tokenizer import eos_token_ids, load_tokenizer
 from nanovllm.sampling_params import SamplingParams
+
+logger = init_logger(__name__)
 
 
 class LLMEngine:
@@ -22,10 +25,15 @@ class LLMEngine:
         num_blocks = self.model_runner.num_blocks
         config.num_kvcache_blocks = num_blocks
         if num_blocks * config.kvcache_block_size < config.max_model_len:
+            self.shutdown()  # tensor-parallel workers are already running
             raise ValueError(
                 f"the KV cache holds {num_blocks} blocks of {config.kvcache_block_size} tokens, fewer than "
                 f"max_model_len={config.max_model_len}: lower max_model_len or give the cache more memory "
                 "(num_kvcache_blocks, kv_cache_memory_bytes or gpu_memory_utilization)")
+        logger.info("num_kvcache_blocks=%d (%d tokens of %d per block, %.2f GiB), max_model_len=%d, device=%s, dtype=%s",
+                    num_blocks, num_blocks * config.kvcache_block_size, config.kvcache_block_size,
+                    num_blocks * self.model_runner.block_bytes / 2**30, config.max_model_len, config.device,
+                    config.torch_dtype)
         self.block_manager = BlockManager(num_blocks, config.kvcache_block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(config.max_num_seqs, config.max_num_batched_tokens, self.block_manager,
                                    config.max_model_len)
@@ -71,6 +79,8 @@ class LLMEngine:
 
     def add_request(self, request_id, token_ids: list[int], sampling_params: SamplingParams) -> list[Sequence]:
         """Queue a validated request; with n > 1 it becomes n sequences sharing the prompt's blocks."""
+        if request_id in self.requests:
+            raise ValueError(f"request id {request_id!r} is already in use by a running request")
         base_seed = sampling_params.seed if sampling_params.seed is not None else self._seed_rng.getrandbits(63)
         seqs = []
         now = time.perf_counter()
@@ -126,6 +136,9 @@ class LLMEngine:
             if reason is not None:
                 self.scheduler.finish(seq, reason)
                 finished.append(seq)
+                siblings = self.requests.get(seq.request_id)
+                if siblings is not None and all(s.is_finished for s in siblings):
+                    del self.requests[seq.request_id]
         self.scheduler.publish(batch)
         return finished
 

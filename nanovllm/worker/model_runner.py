@@ -13,7 +13,7 @@ from nanovllm.models.loader import build_model, init_dummy_weights, load_weights
 from nanovllm.worker.inputs import HostInputs, HostToDevice, build_host_inputs, to_device
 from nanovllm.worker.sampling_inputs import build_sampling_metadata
 
-_CPU_DEFAULT_KV_BYTES = 1 << 30
+_CPU_DEFAULT_KV_BYTES = 512 << 20
 
 
 class StepOutput:

@@ -7,7 +7,7 @@ import numpy as np
 import torch
 
 from nanovllm.engine.sequence import Sequence
-from nanovllm.layers.sampler import PenaltyInputs, SamplingMetadata
+from nanovllm.layers.sampler import PenaltyInputs, SamplingMetadata, _mix32
 from nanovllm.worker.inputs import _to_device
 
 _U64 = (1 << 64) - 1
@@ -93,19 +93,11 @@ def build_sampling_metadata(seqs: list[Sequence], device: torch.device, eos_toke
     return meta
 
 
-def _mix32(x: np.ndarray) -> np.ndarray:
-    x = x ^ (x >> 16)
-    x = (x * 0x85EBCA6B) & _M32
-    x = x ^ (x >> 13)
-    x = (x * 0xC2B2AE35) & _M32
-    return x ^ (x >> 16)
-
-
 def host_row_keys(seeds: np.ndarray, offsets: np.ndarray) -> np.ndarray:
     """`nanovllm.layers.sampler.row_keys` on the host, so no small kernels run per step."""
     s = seeds.view(np.uint64)
     o = offsets.astype(np.uint64)
-    with np.errstate(over="ignore"):
+    with np.errstate(over="ignore"):  # the same mix as on the device, in uint64 lanes
         keys = _mix32((s & _M32) ^ _mix32(((s >> np.uint64(32)) & _M32) ^ ((o * np.uint64(0x9E3779B9)) & _M32)))
     return keys.astype(np.int64)
 

@@ -1,0 +1,197 @@
+"""Online serving benchmark against a running OpenAI-compatible server (`nanovllm serve`, or vLLM).
+
+Sends random token-id prompts to /v1/completions, streaming, either all at once (default), as a
+Poisson process (`--request-rate`), and/or with at most `--concurrency` in flight, and reports
+request and token throughput, TTFT, TPOT, ITL and end-to-end latency (mean, p50, p90, p99).
+
+  nanovllm serve --port 8000 &
+  python bench_serving.py --base-url http://127.0.0.1:8000 --num-prompts 32 --concurrency 4 \
+      --input-len 32:128 --output-len 64
+
+TTFT: request sent -> first streamed text. ITL: gaps between streamed chunks. TPOT: (latency -
+TTFT) / (output tokens - 1), per request. Output tokens are the server's reported usage
+(`ignore_eos` makes every request generate exactly --output-len tokens).
+"""
+import argparse
+import asyncio
+import json
+import os
+import random
+import statistics
+import sys
+import time
+from dataclasses import dataclass, field
+
+import httpx
+
+
+@dataclass
+class Result:
+    ok: bool = False
+    error: str = ""
+    prompt_len: int = 0
+    output_tokens: int = 0
+    ttft: float = 0.0
+    latency: float = 0.0
+    itl: list[float] = field(default_factory=list)
+
+
+def parse_range(text: str) -> tuple[int, int]:
+    lo, _, hi = text.partition(":")
+    lo, hi = int(lo), int(hi or lo)
+    if not 1 <= lo <= hi:
+        raise argparse.ArgumentTypeError(f"expected N or LO:HI with 1 <= LO <= HI, got {text!r}")
+    return lo, hi
+
+
+async def one_request(client: httpx.AsyncClient, args, model: str, prompt: list[int], output_len: int) -> Result:
+    body = {"model": model, "prompt": prompt, "max_tokens": output_len, "temperature": args.temperature,
+            "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+    result = Result(prompt_len=len(prompt))
+    start = last = time.perf_counter()
+    try:
+        async with client.stream("POST", "/v1/completions", json=body) as response:
+            if response.status_code != 200:
+                result.error = f"HTTP {response.status_code}: {(await response.aread()).decode()[:200]}"
+                return result
+            async for line in response.aiter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                data = json.loads(line[6:])
+                if "error" in data:
+                    result.error = data["error"].get("message", "error")
+                    return result
+                if data.get("usage"):
+                    result.output_tokens = data["usage"]["completion_tokens"]
+                if any(c.get("text") for c in data.get("choices", [])):
+                    now = time.perf_counter()
+                    if result.ttft == 0.0:
+                        result.ttft = now - start
+                    else:
+                        result.itl.append(now - last)
+                    last = now
+        result.latency = time.perf_counter() - start
+        result.ok = result.output_tokens > 0
+        if not result.ok:
+            result.error = "no usage in the stream"
+    except (httpx.HTTPError, json.JSONDecodeError) as e:
+        result.error = f"{type(e).__name__}: {e}"
+    return result
+
+
+async def run(args) -> tuple[list[Result], float, str]:
+    headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+    async with httpx.AsyncClient(base_url=args.base_url, headers=headers, timeout=None, limits=limits) as client:
+        card = (await client.get("/v1/models")).raise_for_status().json()["data"][0]
+        model = args.model or card["id"]
+        vocab = args.vocab_size or card.get("vocab_size") or 1000
+        rng = random.Random(args.seed)
+        # Skip the lowest ids, which are usually special tokens.
+        lo_id, hi_id = min(100, vocab // 4), vocab
+        requests = [([rng.randrange(lo_id, hi_id) for _ in range(rng.randint(*args.input_len))],
+                     rng.randint(*args.output_len)) for _ in range(args.num_prompts)]
+        gate = asyncio.Semaphore(args.concurrency) if args.concurrency else None
+
+        async def limited(prompt, output_len):
+            if gate is None:
+                return await one_request(client, args, model, prompt, output_len)
+            async with gate:
+                return await one_request(client, args, model, prompt, output_len)
+
+        if args.warmup:
+            await one_request(client, args, model, requests[0][0], 4)
+        start = time.perf_counter()
+        tasks = []
+        for prompt, output_len in requests:
+            tasks.append(asyncio.create_task(limited(prompt, output_len)))
+            if args.request_rate != float("inf"):
+                await asyncio.sleep(rng.expovariate(args.request_rate))  # Poisson arrivals
+        results = await asyncio.gather(*tasks)
+        return results, time.perf_counter() - start, model
+
+
+def percentiles(values: list[float]) -> dict[str, float]:
+    if not values:
+        return {"mean": 0.0, "p50": 0.0, "p90": 0.0, "p99": 0.0}
+    ordered = sorted(values)
+
+    def pct(p):  # nearest-rank on the sorted values, interpolated
+        k = (len(ordered) - 1) * p / 100
+        f = int(k)
+        c = min(f + 1, len(ordered) - 1)
+        return ordered[f] + (ordered[c] - ordered[f]) * (k - f)
+    return {"mean": statistics.fmean(ordered), "p50": pct(50), "p90": pct(90), "p99": pct(99)}
+
+
+def report(args, results: list[Result], duration: float, model: str) -> dict:
+    ok = [r for r in results if r.ok]
+    failed = [r for r in results if not r.ok]
+    output_tokens = sum(r.output_tokens for r in ok)
+    input_tokens = sum(r.prompt_len for r in ok)
+    summary = {
+        "model": model, "num_prompts": len(results), "successful": len(ok), "failed": len(failed),
+        "request_rate": args.request_rate, "concurrency": args.concurrency, "duration_s": duration,
+        "input_tokens": input_tokens, "output_tokens": output_tokens,
+        "request_throughput": len(ok) / duration, "output_throughput": output_tokens / duration,
+        "total_token_throughput": (input_tokens + output_tokens) / duration,
+        "ttft_ms": {k: v * 1e3 for k, v in percentiles([r.ttft for r in ok]).items()},
+        "tpot_ms": {k: v * 1e3 for k, v in percentiles(
+            [(r.latency - r.ttft) / (r.output_tokens - 1) for r in ok if r.output_tokens > 1]).items()},
+        "itl_ms": {k: v * 1e3 for k, v in percentiles([x for r in ok for x in r.itl]).items()},
+        "e2e_latency_ms": {k: v * 1e3 for k, v in percentiles([r.latency for r in ok]).items()},
+    }
+    line = "=" * 60
+    print(line)
+    print(f"{'Serving benchmark':^60}")
+    print(line)
+    rate = "inf" if args.request_rate == float("inf") else f"{args.request_rate:g}"
+    rows = [("Model", model), ("Request rate (req/s)", rate), ("Max concurrency", args.concurrency or "-"),
+            ("Successful requests", len(ok)), ("Failed requests", len(failed)),
+            ("Benchmark duration (s)", f"{duration:.2f}"), ("Total input tokens", input_tokens),
+            ("Total output tokens", output_tokens),
+            ("Request throughput (req/s)", f"{summary['request_throughput']:.2f}"),
+            ("Output token throughput (tok/s)", f"{summary['output_throughput']:.2f}"),
+            ("Total token throughput (tok/s)", f"{summary['total_token_throughput']:.2f}")]
+    for name, value in rows:
+        print(f"{name + ':':<40}{value:>20}")
+    for key, title in (("ttft_ms", "Time to first token"), ("tpot_ms", "Time per output token (excl. 1st)"),
+                       ("itl_ms", "Inter-token latency"), ("e2e_latency_ms", "End-to-end latency")):
+        print(f"{title:-^60}")
+        for stat in ("mean", "p50", "p90", "p99"):
+            print(f"{stat.upper() if stat == 'mean' else stat} (ms):".ljust(40) + f"{summary[key][stat]:>20.2f}")
+    print(line)
+    for r in failed[:5]:
+        print(f"failed: {r.error}", file=sys.stderr)
+    return summary
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--base-url", default="http://127.0.0.1:8000")
+    p.add_argument("--model", default=None, help="model name to send (default: the server's first)")
+    p.add_argument("--api-key", default=os.environ.get("NANOVLLM_API_KEY"))
+    p.add_argument("--num-prompts", type=int, default=32)
+    p.add_argument("--input-len", type=parse_range, default=(32, 128), help="prompt tokens: N or LO:HI")
+    p.add_argument("--output-len", type=parse_range, default=(64, 64), help="output tokens: N or LO:HI")
+    p.add_argument("--request-rate", type=float, default=float("inf"),
+                   help="requests per second, Poisson arrivals (default: inf, all at once)")
+    p.add_argument("--concurrency", type=int, default=None, help="at most this many requests in flight")
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--vocab-size", type=int, default=None, help="token ids to draw from (default: the server's)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--no-warmup", dest="warmup", action="store_false", help="skip the untimed warm-up request")
+    p.add_argument("--json-out", default=None, help="also write the summary here as JSON")
+    args = p.parse_args(argv)
+    if args.num_prompts < 1 or (args.concurrency is not None and args.concurrency < 1) or args.request_rate <= 0:
+        p.error("--num-prompts and --concurrency must be >= 1, --request-rate > 0")
+    results, duration, model = asyncio.run(run(args))
+    summary = report(args, results, duration, model)
+    if args.json_out:
+        with open(args.json_out, "w") as f:
+            json.dump(summary, f, indent=2)
+    return 0 if summary["failed"] == 0 else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,338 @@
+"""/v1/completions and /v1/chat/completions on top of AsyncLLMEngine: prompts to token ids, request
+fields to SamplingParams, engine outputs to OpenAI responses or server-sent-event chunks.
+
+Tokenization and chat templates run here, on the event loop, with the server's own tokenizer
+instance: the engine's instance belongs to the engine thread (Rust tokenizers are not meant to
+be shared across threads mid-call).
+"""
+import asyncio
+import functools
+import json
+import time
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from nanovllm.engine.async_engine import AsyncLLMEngine, RequestHandle, RequestRejected
+from nanovllm.entrypoints.openai.protocol import (
+    APIError, ChatChoice, ChatCompletionChunk, ChatCompletionRequest, ChatCompletionResponse, ChatLogprobs,
+    ChatResponseMessage, ChatStreamChoice, CompletionChoice, CompletionChunk, CompletionLogprobs,
+    CompletionRequest, CompletionResponse, DeltaMessage, PromptTokensDetails, SamplingRequest, TokenLogprob,
+    TopLogprob, Usage, random_id)
+
+_MAX_N = 128            # completions per prompt: beyond this a request is more likely a mistake than a need
+_MIN_LOGPROB = -9999.0  # JSON has no -inf
+
+
+class _ClientGone(Exception):
+    pass
+
+
+class OpenAIServing:
+    def __init__(self, engine: AsyncLLMEngine, tokenizer, model_names: list[str]):
+        self.engine = engine
+        self.tokenizer = tokenizer
+        self.model_names = model_names
+        self.max_model_len = engine.config.max_model_len
+        self._token_text = functools.lru_cache(maxsize=1 << 16)(self._decode_token)
+
+    # ---- entry points ---------------------------------------------------------------------
+    async def completions(self, req: CompletionRequest, raw: Request) -> Response:
+        self._check_common(req)
+        if req.echo:
+            raise APIError("echo is not supported", param="echo")
+        if req.suffix:
+            raise APIError("suffix is not supported", param="suffix")
+        if req.best_of is not None and req.best_of != req.n:
+            raise APIError("best_of is not supported (other than best_of == n)", param="best_of")
+        prompts = self._completion_prompts(req.prompt)
+        params = [self._params(req, ids, req.max_tokens if req.max_tokens is not None else 16, req.logprobs, "prompt")
+                  for ids in prompts]
+        handles, out_queue = await self._submit(prompts, params, req.stream, "prompt")
+        job = _Job(random_id("cmpl"), self._model_name(req), req.n, handles, prompts)
+        if req.stream:
+            include_usage = bool(req.stream_options and req.stream_options.include_usage)
+            return _sse(self._completion_chunks(job, out_queue, include_usage), handles)
+        finals = await _collect(handles, out_queue, raw)
+        if finals is None:
+            return Response(status_code=499)
+        choices = []
+        for output, base in job.completions(finals):
+            logprobs = self._completion_logprobs(output.logprobs, 0) if output.logprobs is not None else None
+            choices.append(CompletionChoice(index=base + output.index, text=output.text, logprobs=logprobs,
+                                            finish_reason=output.finish_reason, stop_reason=output.stop_reason))
+        choices.sort(key=lambda c: c.index)  # finals come in finishing order
+        body = CompletionResponse(id=job.id, model=job.model, choices=choices, usage=job.usage(finals))
+        return JSONResponse(body.model_dump(mode="json"))
+
+    async def chat(self, req: ChatCompletionRequest, raw: Request) -> Response:
+        self._check_common(req)
+        if req.tools:
+            raise APIError("tools are not supported", param="tools")
+        if req.response_format and req.response_format.get("type", "text") != "text":
+            raise APIError("only response_format {'type': 'text'} is supported", param="response_format")
+        if req.top_logprobs is not None and not req.logprobs:
+            raise APIError("top_logprobs requires logprobs to be true", param="top_logprobs")
+        ids = self._chat_prompt(req)
+        max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+        if max_tokens is None:
+            max_tokens = max(1, self.max_model_len - len(ids))  # as OpenAI: up to the context's end
+        logprobs = (req.top_logprobs or 0) if req.logprobs else None
+        params = [self._params(req, ids, max_tokens, logprobs, "messages")]
+        handles, out_queue = await self._submit([ids], params, req.stream, "messages")
+        job = _Job(random_id("chatcmpl"), self._model_name(req), req.n, handles, [ids])
+        if req.stream:
+            include_usage = bool(req.stream_options and req.stream_options.include_usage)
+            return _sse(self._chat_chunks(job, out_queue, include_usage), handles)
+        finals = await _collect(handles, out_queue, raw)
+        if finals is None:
+            return Response(status_code=499)
+        choices = [ChatChoice(index=output.index, message=ChatResponseMessage(content=output.text),
+                              logprobs=self._chat_logprobs(output.logprobs), finish_reason=output.finish_reason,
+                              stop_reason=output.stop_reason)
+                   for output, _ in job.completions(finals)]
+        body = ChatCompletionResponse(id=job.id, model=job.model, choices=choices, usage=job.usage(finals))
+        return JSONResponse(body.model_dump(mode="json"))
+
+    # ---- requests -------------------------------------------------------------------------
+    def check_model(self, model: str | None):
+        if model is not None and model not in self.model_names:
+            raise APIError(f"The model `{model}` does not exist. This server serves: {', '.join(self.model_names)}",
+                           400, param="model", code="model_not_found")
+
+    def _model_name(self, req: SamplingRequest) -> str:
+        return req.model or self.model_names[0]
+
+    def _check_common(self, req: SamplingRequest):
+        self.check_model(req.model)
+        req.check_common()
+        if isinstance(req.n, int) and req.n > _MAX_N:
+            raise APIError(f"n must be at most {_MAX_N}, got {req.n}", param="n")
+
+    def _completion_prompts(self, prompt) -> list[list[int]]:
+        if isinstance(prompt, str):
+            prompt = [prompt]
+        elif not prompt:
+            raise APIError("prompt must not be empty", param="prompt")
+        elif isinstance(prompt[0], int):
+            prompt = [prompt]
+        token_ids = []
+        for p in prompt:
+            if isinstance(p, str):
+                if not p:
+                    raise APIError("prompt must not be an empty string", param="prompt")
+                if self.tokenizer is None:
+                    raise APIError("this model has no tokenizer: send prompts as token ids", param="prompt")
+                p = self.tokenizer.encode(p)
+            token_ids.append(list(p))
+        return token_ids
+
+    def _chat_prompt(self, req: ChatCompletionRequest) -> list[int]:
+        if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
+            raise APIError("this model has no chat template: use /v1/completions", param="messages")
+        messages = []
+        for i, m in enumerate(req.messages):
+            content = m.content
+            if isinstance(content, list):
+                if any(part.get("type") != "text" or not isinstance(part.get("text"), str) for part in content):
+                    raise APIError(f"messages[{i}].content: only text parts are supported", param="messages")
+                content = "\n".join(part["text"] for part in content)
+            messages.append({**(m.model_extra or {}), "role": m.role, "content": content or ""})
+        try:
+            text = self.tokenizer.apply_chat_template(messages, tokenize=False,
+                                                      add_generation_prompt=req.add_generation_prompt)
+        except Exception as e:  # jinja's TemplateError, raise_exception() in the template...
+            raise APIError(f"the chat template rejected the messages: {e}", param="messages") from None
+        # The template already holds any special tokens: don't add them again.
+        return self.tokenizer.encode(text, add_special_tokens=False)
+
+    def _params(self, req: SamplingRequest, ids: list[int], max_tokens: int, logprobs, prompt_field: str):
+        params = req.sampling_params(max_tokens, logprobs)
+        # A prompt that is too long on its own is the engine's to report; here, prompt + completion.
+        if len(ids) < self.max_model_len < len(ids) + params.max_tokens:
+            raise APIError(f"This model's maximum context length is {self.max_model_len} tokens. However, you "
+                           f"requested {len(ids) + params.max_tokens} tokens ({len(ids)} in the {prompt_field}, "
+                           f"{params.max_tokens} for the completion). Reduce the {prompt_field} or max_tokens.",
+                           param="max_tokens")
+        return params
+
+    async def _submit(self, prompts, params, stream: bool, prompt_field: str):
+        """Queue every prompt and wait until the engine took them all in; all or none."""
+        try:
+            self.engine.check_capacity(len(prompts))
+        except RequestRejected as e:
+            raise APIError(str(e), e.status, code="server_overloaded" if e.status == 503 else None) from None
+        out_queue: asyncio.Queue = asyncio.Queue()
+        handles = [self.engine.add_request(ids, sp, stream, out_queue) for ids, sp in zip(prompts, params)]
+        try:
+            results = await asyncio.gather(*(h.accepted for h in handles), return_exceptions=True)
+        except BaseException:  # cancelled: the client left before the engine answered
+            _abort(handles)
+            raise
+        errors = [r for r in results if isinstance(r, BaseException)]
+        if errors:
+            _abort(handles)
+            e = errors[0]
+            status = getattr(e, "status", 500)
+            raise APIError(str(e), status, param=prompt_field if status == 400 else None)
+        return handles, out_queue
+
+    # ---- responses ------------------------------------------------------------------------
+    async def _completion_chunks(self, job: "_Job", out_queue: asyncio.Queue, include_usage: bool):
+        created = int(time.time())
+        offsets: dict[int, int] = {}  # choice index -> text offset, for logprobs' text_offset
+        async for _, output, index in job.stream(out_queue):
+            logprobs = None
+            if output.logprobs is not None:
+                logprobs = self._completion_logprobs(output.logprobs, offsets.get(index, 0))
+                if logprobs.tokens:
+                    offsets[index] = logprobs.text_offset[-1] + len(logprobs.tokens[-1])
+            if output.text or output.finish_reason or output.logprobs:
+                choice = CompletionChoice(index=index, text=output.text, logprobs=logprobs,
+                                          finish_reason=output.finish_reason, stop_reason=output.stop_reason)
+                chunk = CompletionChunk(id=job.id, created=created, model=job.model, choices=[choice])
+                yield chunk.model_dump(mode="json", exclude=None if include_usage else {"usage"})
+        if include_usage:
+            yield CompletionChunk(id=job.id, created=created, model=job.model, choices=[],
+                                  usage=job.usage(job.last)).model_dump(mode="json")
+
+    async def _chat_chunks(self, job: "_Job", out_queue: asyncio.Queue, include_usage: bool):
+        created = int(time.time())
+
+        def chunk(choices, usage=None):
+            # As OpenAI: chunks carry "usage" (null until the last) only when include_usage asked for it.
+            data = ChatCompletionChunk(id=job.id, created=created, model=job.model, choices=choices, usage=usage)
+            data = data.model_dump(mode="json", exclude=None if include_usage else {"usage"})
+            for c in data["choices"]:  # as OpenAI: a delta carries only the keys it sets
+                c["delta"] = {k: v for k, v in c["delta"].items() if v is not None}
+            return data
+
+        yield chunk([ChatStreamChoice(index=i, delta=DeltaMessage(role="assistant", content=""))
+                     for i in range(job.n)])
+        async for _, output, index in job.stream(out_queue):
+            if output.text or output.finish_reason or output.logprobs:
+                yield chunk([ChatStreamChoice(index=index, delta=DeltaMessage(content=output.text or None),
+                                              logprobs=self._chat_logprobs(output.logprobs),
+                                              finish_reason=output.finish_reason, stop_reason=output.stop_reason)])
+        if include_usage:
+            yield chunk([], job.usage(job.last))
+
+    def _decode_token(self, token_id: int) -> str:
+        return self.tokenizer.decode([token_id]) if self.tokenizer is not None else str(token_id)
+
+    def _chat_logprobs(self, entries: list[dict] | None) -> ChatLogprobs | None:
+        if entries is None:
+            return None
+        content = []
+        for e in entries:
+            text = self._token_text(e["token_id"])
+            top = [TopLogprob(token=(t := self._token_text(x["token_id"])), logprob=max(x["logprob"], _MIN_LOGPROB),
+                              bytes=list(t.encode())) for x in e.get("top_logprobs", [])]
+            content.append(TokenLogprob(token=text, logprob=max(e["logprob"], _MIN_LOGPROB),
+                                        bytes=list(text.encode()), top_logprobs=top))
+        return ChatLogprobs(content=content)
+
+    def _completion_logprobs(self, entries: list[dict], offset: int) -> CompletionLogprobs:
+        out = CompletionLogprobs()
+        for e in entries:
+            text = self._token_text(e["token_id"])
+            out.tokens.append(text)
+            out.token_logprobs.append(max(e["logprob"], _MIN_LOGPROB))
+            top = {self._token_text(x["token_id"]): max(x["logprob"], _MIN_LOGPROB) for x in e.get("top_logprobs", [])}
+            top.setdefault(text, max(e["logprob"], _MIN_LOGPROB))
+            out.top_logprobs.append(top)
+            out.text_offset.append(offset)
+            offset += len(text)
+        return out
+
+
+class _Job:
+    """One HTTP request's engine requests: choice numbering (prompt i's completions are choices
+    i*n ... i*n+n-1, as vLLM numbers them) and usage."""
+
+    def __init__(self, id_: str, model: str, n: int, handles: list[RequestHandle], prompts: list[list[int]]):
+        self.id, self.model, self.n = id_, model, n
+        self.base = {h.request_id: i * n for i, h in enumerate(handles)}
+        self.num_prompt_tokens = sum(len(p) for p in prompts)
+        self.last: dict = {}  # request_id -> its latest RequestOutput
+        self.num_tokens: dict = {}  # choice index -> completion tokens so far
+
+    def completions(self, finals: dict):
+        for request_id, out in finals.items():
+            for output in out.outputs:
+                self.num_tokens[self.base[request_id] + output.index] = output.num_tokens
+                yield output, self.base[request_id]
+
+    async def stream(self, out_queue: asyncio.Queue):
+        """(request output, completion output, choice index) as the engine produces them."""
+        pending = set(self.base)
+        while pending:
+            out = await out_queue.get()
+            if out.error is not None:
+                raise out.error
+            self.last[out.request_id] = out
+            for output in out.outputs:
+                index = self.base[out.request_id] + output.index
+                self.num_tokens[index] = output.num_tokens
+                yield out, output, index
+            if out.finished:
+                pending.discard(out.request_id)
+
+    def usage(self, finals: dict) -> Usage:
+        completion = sum(self.num_tokens.values())
+        cached = sum(out.num_cached_tokens for out in finals.values())
+        return Usage(prompt_tokens=self.num_prompt_tokens, completion_tokens=completion,
+                     total_tokens=self.num_prompt_tokens + completion,
+                     prompt_tokens_details=PromptTokensDetails(cached_tokens=cached))
+
+
+def _abort(handles: list[RequestHandle]):
+    for h in handles:
+        h.abort()
+
+
+async def _wait_disconnect(raw: Request):
+    while (await raw.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def _collect(handles: list[RequestHandle], out_queue: asyncio.Queue, raw: Request) -> dict | None:
+    """Final outputs by request id; None if the client disconnected first (its requests are
+    aborted at once: nothing else would notice, as no response is being written yet)."""
+    pending = {h.request_id for h in handles}
+    finals = {}
+    watcher = asyncio.ensure_future(_wait_disconnect(raw))
+    try:
+        while pending:
+            getter = asyncio.ensure_future(out_queue.get())
+            await asyncio.wait({getter, watcher}, return_when=asyncio.FIRST_COMPLETED)
+            if not getter.done():
+                getter.cancel()
+                raise _ClientGone
+            out = getter.result()
+            if out.error is not None:
+                raise APIError(str(out.error), out.error.status)
+            if out.finished:
+                finals[out.request_id] = out
+                pending.discard(out.request_id)
+        return finals
+    except _ClientGone:
+        return None
+    finally:
+        watcher.cancel()
+        _abort(handles)
+
+
+def _sse(chunks, handles: list[RequestHandle]) -> StreamingResponse:
+    async def events():
+        try:
+            async for data in chunks:
+                yield f"data: {json.dumps(data, ensure_ascii=False, separators=(',', ':'))}\n\n"
+        except RequestRejected as e:  # failed mid-stream: the status line is long gone, so say it here
+            yield f"data: {json.dumps(APIError(str(e), e.status).body())}\n\n"
+        finally:
+            # A closed stream (client gone, or cancelled) stops generation and frees the blocks now.
+            _abort(handles)
+        yield "data: [DONE]\n\n"
+    return StreamingResponse(events(), media_type="text/event-stream",
+                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})

@@ -1,0 +1,103 @@
+"""AsyncLLMEngine in-process: outputs reach asyncio consumers, the loop sleeps when idle, a failing
+step fails only its requests, and an engine that keeps failing reports itself unhealthy."""
+import asyncio
+import time
+
+import httpx
+import pytest
+
+from nanovllm.config import Config
+from nanovllm.engine.async_engine import AsyncLLMEngine, RequestRejected
+from nanovllm.engine.llm_engine import LLMEngine
+from nanovllm.entrypoints.openai.api_server import build_app
+from nanovllm.sampling_params import SamplingParams
+
+
+class FlakyEngine(LLMEngine):
+    """Raises from step() while `failures` is positive."""
+    failures = 0
+
+    def step(self):
+        if self.failures > 0:
+            self.failures -= 1
+            super().step()  # leave the engine mid-step, as a real failure would
+            raise RuntimeError("injected failure")
+        return super().step()
+
+
+@pytest.fixture
+def engine(model_factory):
+    config = Config(model_factory("qwen3"), device="cpu", dtype="float32", kv_cache_memory_bytes=16 << 20)
+    e = AsyncLLMEngine(config, max_waiting=8, engine_factory=FlakyEngine)
+    e.start()
+    yield e
+    e.shutdown()
+
+
+async def _run(engine, prompt, max_tokens=8, stream=True):
+    handle = engine.add_request(prompt, SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True),
+                                stream)
+    await handle.accepted
+    outputs = []
+    while True:
+        out = await handle.queue.get()
+        if out.error is not None:
+            raise out.error
+        outputs.append(out)
+        if out.finished:
+            return outputs
+
+
+def test_stream_outputs_and_idle_sleep(engine):
+    async def main():
+        streamed = await _run(engine, [1, 2, 3, 4], stream=True)
+        whole = await _run(engine, [1, 2, 3, 4], stream=False)
+        return streamed, whole
+    streamed, whole = asyncio.run(main())
+    ids = [t for out in streamed for o in out.outputs for t in o.token_ids]
+    assert len(streamed) > 1 and ids == whole[-1].outputs[0].token_ids and len(ids) == 8
+    assert "".join(o.text for out in streamed for o in out.outputs) == whole[-1].outputs[0].text
+    assert streamed[-1].outputs[-1].finish_reason == "length" and streamed[-1].num_prompt_tokens == 4
+    # Idle: the engine thread blocks on its command queue instead of spinning.
+    cpu = time.process_time()
+    time.sleep(0.5)
+    assert time.process_time() - cpu < 0.1
+    assert engine.stats.num_running == engine.stats.num_waiting == 0 and engine.stats.kv_cache_usage == 0
+
+
+def test_validation_errors_are_rejections(engine):
+    async def main():
+        handle = engine.add_request([1, 10**6], SamplingParams(), True)
+        with pytest.raises(RequestRejected, match="outside the vocabulary") as e:
+            await handle.accepted
+        assert e.value.status == 400
+    asyncio.run(main())
+
+
+def test_a_failing_step_fails_its_requests_and_the_engine_keeps_serving(engine):
+    async def main():
+        engine.engine.failures = 1
+        with pytest.raises(RequestRejected, match="injected failure") as e:
+            await _run(engine, [5, 6, 7])
+        assert e.value.status == 500
+        outputs = await _run(engine, [5, 6, 7])
+        assert outputs[-1].outputs[-1].finish_reason == "length"
+    asyncio.run(main())
+    assert engine.healthy and engine.stats.kv_cache_usage == 0
+
+
+def test_an_engine_that_keeps_failing_is_unhealthy(engine):
+    app = build_app(engine, ["tiny"])
+
+    async def main():
+        engine.engine.failures = 10**9
+        for _ in range(3):
+            with pytest.raises(RequestRejected):
+                await _run(engine, [5, 6, 7])
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://x") as client:
+            r = await client.get("/health")
+            assert r.status_code == 503 and "failed" in r.json()["reason"]
+            r = await client.post("/v1/completions", json={"prompt": [1, 2], "max_tokens": 2})
+            assert r.status_code == 503 and "unavailable" in r.json()["error"]["message"]
+    asyncio.run(main())
+    assert not engine.healthy

@@ -1,0 +1,236 @@
+"""Tensor parallelism on the CPU (gloo): parity with one rank, failures that raise instead of
+hanging, and a lifecycle that leaves no process or shared-memory segment behind."""
+import multiprocessing
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+
+import pytest
+import torch
+from transformers import AutoConfig
+
+from nanovllm import LLM, SamplingParams
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+# Small blocks and a small token budget: the 50-token prompt is prefilled in two chunks, and
+# prompts of 16+ tokens leave full blocks for the prefix cache to hit on the second pass.
+KW = dict(dtype="float32", max_model_len=256, kvcache_block_size=16, max_num_batched_tokens=32)
+PROMPTS = [[1, 2, 3], list(range(10, 60)), list(range(100, 130)), [7] * 17 + [8, 9]]
+PARAMS = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for m in (12, 8, 16, 5)]
+QUICK = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
+BOUND_S = 20  # a failure must surface well within this
+
+
+def _child_pids() -> set[int]:
+    """Live children of this process (psutil-free), other than multiprocessing's resource tracker."""
+    me, found = os.getpid(), set()
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == me and fields[0] != "Z":
+            found.add(int(entry))
+    from multiprocessing import resource_tracker
+    found.discard(getattr(resource_tracker._resource_tracker, "_pid", None))
+    return found
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def _worker_pids(llm) -> list[int]:
+    return llm.engine.model_runner.worker_pids
+
+
+@pytest.fixture(autouse=True)
+def no_leftovers():
+    shm_before = set(os.listdir("/dev/shm"))
+    children_before = _child_pids()
+    yield
+    assert not multiprocessing.active_children()
+    assert _child_pids() <= children_before
+    assert not set(os.listdir("/dev/shm")) - shm_before
+
+
+def _run(llm, prompts=PROMPTS, params=PARAMS):
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    return [o["token_ids"] for o in outs], [o["num_cached_tokens"] for o in outs]
+
+
+# ---- parity ------------------------------------------------------------------------------
+@pytest.mark.parametrize("arch", ["qwen3", "qwen2", "llama"])
+def test_two_ranks_match_one(model_factory, arch):
+    """qwen3: GQA with tied embeddings; qwen2: 6 heads / 2 KV heads, qkv bias, untied head;
+    llama: a single KV head, so both ranks hold a replica of it."""
+    path = model_factory(arch)
+    with LLM(path, **KW) as ref:
+        expected, _ = _run(ref)
+    with LLM(path, tensor_parallel_size=2, **KW) as llm:
+        executor = llm.engine.model_runner
+        pids = _worker_pids(llm)
+        assert len(pids) == 1 and all(_alive(p) for p in pids)
+        hf = llm.config.hf_config
+        assert executor.num_kv_heads == max(1, hf.num_key_value_heads // 2)  # the KV cache is per rank
+        assert executor.num_blocks == llm.config.num_kvcache_blocks
+        first, cached = _run(llm)
+        assert first == expected and cached == [0, 0, 0, 0]
+        again, cached = _run(llm)  # same prompts: their full blocks now come from the prefix cache
+        assert again == expected and cached == [0, 48, 16, 16]
+    assert not any(_alive(p) for p in pids)
+
+
+# ---- validation --------------------------------------------------------------------------
+def test_bad_sizes_fail_before_any_process_starts(model_factory, monkeypatch):
+    with pytest.raises(ValueError, match="tensor_parallel_size=3 must divide num_attention_heads=4"):
+        LLM(model_factory("qwen3"), tensor_parallel_size=3)
+    hf = AutoConfig.from_pretrained(model_factory("qwen2"))  # 6 heads
+    hf.num_key_value_heads = 3
+    with pytest.raises(ValueError, match="tensor_parallel_size=2 and num_key_value_heads=3: one must divide"):
+        LLM(model_factory("qwen2"), hf_config=hf, tensor_parallel_size=2)
+    hf.num_key_value_heads, hf.intermediate_size = 2, 161
+    with pytest.raises(ValueError, match="tensor_parallel_size=2 must divide intermediate_size=161"):
+        LLM(model_factory("qwen2"), hf_config=hf, tensor_parallel_size=2)
+    with pytest.raises(ValueError, match="tensor_parallel_size must be an integer >= 1"):
+        LLM(model_factory("qwen3"), tensor_parallel_size=0)
+    monkeypatch.setattr(os, "cpu_count", lambda: 1)
+    with pytest.raises(ValueError, match="tensor_parallel_size=2 exceeds the 1 CPU cores"):
+        LLM(model_factory("qwen3"), tensor_parallel_size=2)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    with pytest.raises(ValueError, match="tensor_parallel_size=2 needs 2 CUDA devices from cuda:0 on, but only 1"):
+        LLM(model_factory("qwen3"), tensor_parallel_size=2, device="cuda")
+    assert not multiprocessing.active_children()
+
+
+# ---- failures ----------------------------------------------------------------------------
+def test_killed_worker_makes_generate_raise(model_factory):
+    llm = LLM(model_factory("qwen3"), tensor_parallel_size=2, dtype="float32", max_model_len=1024)
+    pid, = _worker_pids(llm)
+    _run(llm, [[1, 2, 3]], QUICK)
+    # SIGKILL the worker from another thread, at an arbitrary point of a generate that is
+    # certainly still running (its 20th step of 1000).
+    running = threading.Event()
+    step = llm.engine.step
+    steps = iter(range(10**6))
+
+    def counting_step():
+        if next(steps) == 20:
+            running.set()
+        return step()
+
+    llm.engine.step = counting_step
+    killer = threading.Thread(target=lambda: running.wait(BOUND_S) and os.kill(pid, signal.SIGKILL))
+    killer.start()
+    start = time.monotonic()
+    long = SamplingParams(temperature=0, max_tokens=1000, ignore_eos=True)
+    with pytest.raises(RuntimeError, match="tensor-parallel worker rank 1 was killed by signal 9"):
+        llm.generate([[i + 1] * 5 for i in range(16)], long, use_tqdm=False)
+    killer.join()
+    assert time.monotonic() - start < BOUND_S
+    assert not llm.engine.has_unfinished()  # generate aborted its requests
+    with pytest.raises(RuntimeError, match="group is shut down .*rank 1 was killed"):
+        llm.generate([[1, 2, 3]], QUICK, use_tqdm=False)
+    llm.shutdown()
+
+
+def test_worker_exception_makes_generate_raise(model_factory):
+    llm = LLM(model_factory("llama"), tensor_parallel_size=2, **KW)
+    pid, = _worker_pids(llm)
+    # A message the worker cannot decode: it reports the exception and exits.
+    llm.engine.model_runner._group.conns[0].send_bytes(b"not a pickle")
+    start = time.monotonic()
+    with pytest.raises(RuntimeError, match="(?s)tensor-parallel worker rank 1 raised:.*UnpicklingError"):
+        _run(llm)
+    assert time.monotonic() - start < BOUND_S
+    assert not _alive(pid)
+    llm.shutdown()
+
+
+def test_exception_in_rank0_stops_the_workers(model_factory):
+    llm = LLM(model_factory("qwen2"), tensor_parallel_size=2, **KW)
+    pid, = _worker_pids(llm)
+    executor = llm.engine.model_runner
+
+    def broken_run(host, seqs):
+        raise ValueError("boom on rank 0")
+
+    executor.runner.run = broken_run
+    start = time.monotonic()
+    with pytest.raises(ValueError, match="boom on rank 0"):
+        _run(llm)
+    assert time.monotonic() - start < BOUND_S
+    # The worker was mid-step, waiting for rank 0 in a collective: it cannot be reused.
+    assert not _alive(pid)
+    with pytest.raises(RuntimeError, match="group is shut down .*rank 0 failed"):
+        _run(llm)
+    llm.shutdown()
+
+
+# ---- lifecycle -----------------------------------------------------------------------------
+def test_workers_stop_when_llm_is_dropped_and_at_exit(model_factory):
+    """In a fresh interpreter: `del llm` stops its worker; an LLM still alive when the script
+    ends is stopped by the exit hooks, so the interpreter exits promptly and leaves no orphan."""
+    script = textwrap.dedent(f"""
+        import gc, os, sys
+        sys.path.insert(0, {REPO!r})
+        from nanovllm import LLM, SamplingParams
+        sp = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
+        kw = dict(tensor_parallel_size=2, dtype="float32", max_model_len=128)
+        llm = LLM({model_factory("qwen3")!r}, **kw)
+        llm.generate([[1, 2, 3]], sp, use_tqdm=False)
+        pid = llm.engine.model_runner.worker_pids[0]
+        del llm
+        gc.collect()
+        print("DROPPED", pid, os.path.exists(f"/proc/{{pid}}"), flush=True)
+        llm = LLM({model_factory("qwen3")!r}, **kw)
+        llm.generate([[1, 2, 3]], sp, use_tqdm=False)
+        print("LEFT", llm.engine.model_runner.worker_pids[0], flush=True)
+    """)
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    lines = dict(line.split(" ", 1) for line in done.stdout.splitlines() if line.startswith(("DROPPED", "LEFT")))
+    dropped_pid, dropped_exists = lines["DROPPED"].split()
+    assert dropped_exists == "False"
+    left_pid = int(lines["LEFT"])
+    deadline = time.monotonic() + 5
+    while _alive(left_pid) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not _alive(left_pid)
+
+
+def test_workers_exit_when_rank0_is_killed(model_factory):
+    script = textwrap.dedent(f"""
+        import sys, time
+        sys.path.insert(0, {REPO!r})
+        from nanovllm import LLM
+        llm = LLM({model_factory("qwen3")!r}, tensor_parallel_size=2, dtype="float32", max_model_len=128)
+        print("WORKER", llm.engine.model_runner.worker_pids[0], flush=True)
+        time.sleep(600)
+    """)
+    rank0 = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    try:
+        line = rank0.stdout.readline()
+        assert line.startswith("WORKER"), line
+        worker = int(line.split()[1])
+        assert _alive(worker)
+    finally:
+        rank0.kill()
+        rank0.wait()
+        rank0.stdout.close()
+    deadline = time.monotonic() + 5
+    while _alive(worker) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not _alive(worker)  # no orphan: it noticed its parent's death
