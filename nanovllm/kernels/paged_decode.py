@@ -29,7 +29,8 @@ _MIN_KEYS_PER_SPLIT = 128  # below this a split is mostly launch/merge overhead
 _MAX_SPLITS = 64
 
 
-@triton.jit
+# Per-step values are not specialised on: one compiled variant serves every batch.
+@triton.jit(do_not_specialize=["stride_bt", "num_splits"])
 def _decode_split_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr,
     out_ptr, part_o_ptr, part_lse_ptr,
@@ -119,7 +120,7 @@ def _decode_split_kernel(
         tl.store(part_lse_ptr + row, lse, mask=g_mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_splits"])
 def _decode_merge_kernel(
     out_ptr, part_o_ptr, part_lse_ptr,
     stride_ob, stride_oh,

@@ -69,7 +69,11 @@ def _attend_tile(q, acc, m_i, l_i, n0, offs_n, bt_row, k_head, v_head, d, q_pos,
     return acc, m_new, l_i
 
 
-@triton.jit
+# The block-table width changes every step, and the engine passes the slices of seq_lens and
+# block_tables after its decode rows (any alignment): neither is specialised on, so one compiled
+# variant serves every batch instead of recompiling inside a request.
+@triton.jit(do_not_specialize=["stride_bt"],
+            do_not_specialize_on_alignment=["cu_seqlens_q_ptr", "seq_lens_ptr", "block_tables_ptr"])
 def _prefill_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr,
     cu_seqlens_q_ptr, seq_lens_ptr, block_tables_ptr,

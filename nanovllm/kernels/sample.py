@@ -26,7 +26,7 @@ def _mix32(x):
     return x ^ (x >> 16)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["chunk", "num_splits"])  # batch-dependent: one variant
 def _sample_split_kernel(logits_ptr, stride_row, temps_ptr, row_keys_ptr, part_score_ptr, part_idx_ptr,
                          vocab_size, chunk, num_splits, BLOCK: tl.constexpr):
     row = tl.program_id(0)
@@ -60,7 +60,7 @@ def _sample_split_kernel(logits_ptr, stride_row, temps_ptr, row_keys_ptr, part_s
     tl.store(part_idx_ptr + row * num_splits + split, idx)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_splits"])
 def _sample_merge_kernel(part_score_ptr, part_idx_ptr, out_ptr, num_splits, vocab_size, BLOCK_S: tl.constexpr):
     row = tl.program_id(0)
     s = tl.arange(0, BLOCK_S)
