@@ -8,7 +8,7 @@ request and token throughput, TTFT, TPOT, ITL and end-to-end latency (mean, p50,
   python bench_serving.py --base-url http://127.0.0.1:8000 --num-prompts 32 --concurrency 4 \
       --input-len 32:128 --output-len 64
 
-TTFT: request sent -> first streamed text. ITL: gaps between streamed chunks. TPOT: (latency -
+TTFT: request sent -> first streamed token. ITL: gaps between streamed chunks. TPOT: (latency -
 TTFT) / (output tokens - 1), per request. Output tokens are the server's reported usage
 (`ignore_eos` makes every request generate exactly --output-len tokens).
 """
@@ -63,7 +63,10 @@ async def one_request(client: httpx.AsyncClient, args, model: str, prompt: list[
                     return result
                 if data.get("usage"):
                     result.output_tokens = data["usage"]["completion_tokens"]
-                if any(c.get("text") for c in data.get("choices", [])):
+                # A chunk per generated token counts, even with empty text (a model without a
+                # tokenizer, or text held back at a possible stop string); a bare final chunk does not.
+                if any(c.get("text") or (c.get("text") is not None and c.get("finish_reason") is None)
+                       for c in data.get("choices", [])):
                     now = time.perf_counter()
                     if result.ttft == 0.0:
                         result.ttft = now - start

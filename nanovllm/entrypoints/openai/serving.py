@@ -187,7 +187,8 @@ class OpenAIServing:
                 logprobs = self._completion_logprobs(output.logprobs, offsets.get(index, 0))
                 if logprobs.tokens:
                     offsets[index] = logprobs.text_offset[-1] + len(logprobs.tokens[-1])
-            if output.text or output.finish_reason or output.logprobs:
+            # Without a tokenizer there is no text: a chunk per step still reports progress.
+            if output.text or output.finish_reason or output.logprobs or (self.tokenizer is None and output.token_ids):
                 choice = CompletionChoice(index=index, text=output.text, logprobs=logprobs,
                                           finish_reason=output.finish_reason, stop_reason=output.stop_reason)
                 chunk = CompletionChunk(id=job.id, created=created, model=job.model, choices=[choice])
