@@ -33,6 +33,8 @@ class LLM:
         params = _as_params_list(sampling_params, len(prompts))
         # Validate everything before queuing anything, so a bad prompt costs no work.
         token_ids = [self.engine.tokenize(p) for p in prompts]
+        for sp in params:
+            self.engine.check_params(sp)
         requests = [self.engine.add_request(next(self._request_ids), ids, sp) for ids, sp in zip(token_ids, params)]
         remaining = {id(seq) for seqs in requests for seq in seqs}
         seqs_left_per_request = [len(seqs) for seqs in requests]

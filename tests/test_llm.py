@@ -166,6 +166,11 @@ def test_model_without_tokenizer(model_factory):
     assert len(out[0]["token_ids"]) == 4 and out[0]["text"] == ""
     with pytest.raises(ValueError, match="no tokenizer files: pass prompts as token-id lists"):
         llm.generate(["hello"], use_tqdm=False)
+    with pytest.raises(ValueError, match="stop strings need a tokenizer"):
+        llm.generate([[1, 2]], SamplingParams(stop=["x"]), use_tqdm=False)
+    with pytest.raises(ValueError, match=r"stop_token_ids \[600\] are outside the vocabulary"):
+        llm.generate([[1, 2]], SamplingParams(stop_token_ids=[600]), use_tqdm=False)
+    assert not llm.engine.has_unfinished()
 
 
 def test_bf16_runs_on_cpu(model_factory):

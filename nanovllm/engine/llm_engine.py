@@ -3,12 +3,12 @@ import random
 import time
 
 from nanovllm.config import Config
-from nanovllm.logger import init_logger
 from nanovllm.engine.block_manager import BlockManager
 from nanovllm.engine.output_processor import OutputProcessor
 from nanovllm.engine.scheduler import Scheduler
 from nanovllm.engine.sequence import Sequence
 from nanovllm.engine.tokenizer import eos_token_ids, load_tokenizer
+from nanovllm.logger import init_logger
 from nanovllm.sampling_params import SamplingParams
 
 logger = init_logger(__name__)
@@ -77,8 +77,18 @@ class LLMEngine:
                              "the prompt must leave room for at least one generated token")
         return token_ids
 
+    def check_params(self, sampling_params: SamplingParams):
+        """What SamplingParams cannot check alone: the parts that depend on the model."""
+        if sampling_params.stop_list and self.tokenizer is None:
+            raise ValueError(f"stop strings need a tokenizer and model {self.config.model!r} has none; "
+                             "use stop_token_ids instead")
+        bad = [t for t in sampling_params.stop_token_ids if t >= self.vocab_size]
+        if bad:
+            raise ValueError(f"stop_token_ids {bad} are outside the vocabulary [0, {self.vocab_size})")
+
     def add_request(self, request_id, token_ids: list[int], sampling_params: SamplingParams) -> list[Sequence]:
         """Queue a validated request; with n > 1 it becomes n sequences sharing the prompt's blocks."""
+        self.check_params(sampling_params)
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use by a running request")
         base_seed = sampling_params.seed if sampling_params.seed is not None else self._seed_rng.getrandbits(63)

@@ -47,6 +47,7 @@ class SamplingMetadata:
     top_k: torch.Tensor | None = None         # [F] int64, 0 = off; None when no row uses top-k
     top_p: torch.Tensor | None = None         # [F] float32, 1.0 = off; None when no row uses top-p
     max_top_k: int = 0
+    top_k_bounded: bool = False               # every filtered row has top_k > 0 (candidates suffice)
     # min-p, over the random rows that use it.
     min_p_rows: torch.Tensor | None = None
     min_p: torch.Tensor | None = None         # [M] float32; None when no row uses min-p
@@ -181,6 +182,29 @@ def _top_k_top_p(x: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tenso
     return x.scatter_(1, idx, srt)
 
 
+def _gumbel(keys: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
+    """Gumbel noise -log(E) at the given token ids of each row ([F] keys, [F, K] ids): the values
+    `exponential_noise` gives those tokens, so a draw among candidates matches the full draw."""
+    bits = _mix32(_mix32(keys[:, None] ^ token_ids) ^ (keys[:, None] >> 7))
+    u = ((bits >> 8).to(torch.float32) + 0.5) * (1.0 / (1 << 24))
+    return -torch.log(-torch.log(u))
+
+
+def _sample_top_k(x: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor | None, max_top_k: int,
+                  keys: torch.Tensor) -> torch.Tensor:
+    """Draw from rows that all have top_k > 0: top-k, then top-p over the renormalised top k, then
+    the draw, on [F, max_top_k] candidates instead of the vocabulary."""
+    vals, idx = x.topk(min(max_top_k, x.shape[-1]), dim=-1)  # sorted, best first
+    rank = torch.arange(vals.shape[-1], device=x.device)
+    vals = vals.masked_fill(rank[None, :] >= top_k[:, None], float("-inf"))
+    if top_p is not None:
+        probs = vals.softmax(dim=-1)
+        before = probs.cumsum(dim=-1).sub_(probs)
+        vals = vals.masked_fill((before >= top_p[:, None]) & (top_p < 1.0)[:, None], float("-inf"))
+    choice = (vals + _gumbel(keys, idx)).argmax(dim=-1, keepdim=True)
+    return idx.gather(1, choice).squeeze(1)
+
+
 def _on_rows(x: torch.Tensor, rows: torch.Tensor | None, fn) -> torch.Tensor:
     if rows is None:
         return fn(x)
@@ -204,12 +228,12 @@ class Sampler(nn.Module):
 
     def sample(self, logits: torch.Tensor, meta: SamplingMetadata) -> SamplerOutput:
         filters = meta.min_p is not None or meta.top_k is not None or meta.top_p is not None
+        keys = meta.row_keys if meta.row_keys is not None else row_keys(meta.seeds, meta.offsets)
         if logits.is_cuda and not filters:
             # One fused pass over the logits (kernels/sample.py) replaces the float copy, softmax,
-            # noise tensor and division below; the draws are the same up to float rounding.
+            # noise tensor and division of the general path; the same draws up to float rounding.
             from nanovllm.kernels.sample import sample_rows
             x = logits if meta.banned_ids is None and meta.penalties is None else self.process_logits(logits, meta)
-            keys = meta.row_keys if meta.row_keys is not None else row_keys(meta.seeds, meta.offsets)
             tokens = sample_rows(x, meta.temperatures, keys)
             if meta.max_num_logprobs is None:
                 return SamplerOutput(tokens)
@@ -224,15 +248,34 @@ class Sampler(nn.Module):
             x = x / temps[:, None]  # a fresh tensor: the filters below may work in place
             if meta.min_p is not None:
                 x = _on_rows(x, meta.min_p_rows, lambda t: _min_p(t, meta.min_p))
-            if meta.top_k is not None or meta.top_p is not None:
+            filtered = None
+            if meta.top_k is not None and meta.top_k_bounded:
+                # Every filtered row keeps at most k tokens: draw among its k best only, with the
+                # noise those tokens get in a full-vocabulary draw (same result, no vocabulary sort).
+                xf, kf = (x, keys) if meta.filter_rows is None else (x[meta.filter_rows], keys[meta.filter_rows])
+                filtered = _sample_top_k(xf, meta.top_k, meta.top_p, meta.max_top_k, kf)
+            elif meta.top_k is not None or meta.top_p is not None:
                 x = _on_rows(x, meta.filter_rows,
                              lambda t: _top_k_top_p(t, meta.top_k, meta.top_p, meta.max_top_k))
-            noise = exponential_noise(meta.seeds, meta.offsets, x.shape[-1])
-            sampled = x.softmax(dim=-1).div_(noise).argmax(dim=-1)
-            tokens = sampled if meta.all_random else torch.where(meta.temperatures > 0, sampled, greedy)
+            if filtered is not None and meta.filter_rows is None:
+                tokens = filtered  # every row was a filtered (random) row
+            else:
+                tokens = self._draw(x, meta, keys, greedy)
+                if filtered is not None:
+                    tokens = tokens.index_copy(0, meta.filter_rows, filtered)
         if meta.max_num_logprobs is None:
             return SamplerOutput(tokens)
         return self._with_logprobs(raw, tokens, meta.max_num_logprobs)
+
+    @staticmethod
+    def _draw(x: torch.Tensor, meta: SamplingMetadata, keys: torch.Tensor, greedy: torch.Tensor | None):
+        """The draw from already temperature-scaled (and filtered) logits."""
+        if x.is_cuda:
+            from nanovllm.kernels.sample import sample_rows
+            return sample_rows(x, (meta.temperatures > 0).float(), keys)
+        noise = exponential_noise(meta.seeds, meta.offsets, x.shape[-1])
+        sampled = x.softmax(dim=-1).div_(noise).argmax(dim=-1)
+        return sampled if meta.all_random else torch.where(meta.temperatures > 0, sampled, greedy)
 
     @staticmethod
     def _with_logprobs(raw: torch.Tensor, tokens: torch.Tensor, k: int) -> SamplerOutput:
