@@ -9,11 +9,11 @@ dtype replaces the float copy, softmax, noise tensor and division of the torch p
 The vocabulary is split across programs (a row alone is too little parallelism for one SM);
 each writes its best (score, index) and a second, tiny pass picks the row's winner.
 """
-import functools
-
 import torch
 import triton
 import triton.language as tl
+
+from nanovllm.kernels.paged_decode import _device_sms
 
 
 @triton.jit
@@ -72,16 +72,9 @@ def _sample_merge_kernel(part_score_ptr, part_idx_ptr, out_ptr, num_splits, voca
     tl.store(out_ptr + row, tl.min(tl.where(score == top, idx, vocab_size), axis=0).to(tl.int64))
 
 
-@functools.lru_cache(maxsize=None)
-def _num_sms(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
-
-
 def _num_splits(batch: int, vocab_size: int, device: torch.device, block: int) -> int:
-    sms = _num_sms(device.index if device.index is not None else torch.cuda.current_device()) \
-        if device.type == "cuda" else 4
     # ~4 programs per SM, but no split smaller than a few tiles.
-    return max(1, min(triton.cdiv(4 * sms, batch), triton.cdiv(vocab_size, 4 * block), 64))
+    return max(1, min(triton.cdiv(4 * _device_sms(device), batch), triton.cdiv(vocab_size, 4 * block), 64))
 
 
 def sample_rows(logits: torch.Tensor, temperatures: torch.Tensor, row_keys: torch.Tensor,
