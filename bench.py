@@ -55,11 +55,13 @@ class ScheduleRecorder:
 
     def __init__(self, scheduler):
         self.steps = []
+        self.times = []  # perf_counter at each scheduled step: the gaps are step times once the GPU is busy
         inner = scheduler.schedule
 
         def schedule():
             batch = inner()
             if batch is not None:
+                self.times.append(time.perf_counter())
                 ctx = [s.num_computed_tokens + n for s, n in zip(batch.seqs, batch.num_new_tokens)]
                 self.steps.append((batch.num_decodes, list(batch.num_new_tokens), ctx,
                                    [s.num_computed_tokens for s in batch.seqs]))
@@ -78,18 +80,61 @@ def roofline(cfg, steps, bandwidth: float, flops: float, dtype_bytes: int = 2) -
     weight_bytes = (layers * layer_params + vocab * h) * dtype_bytes  # every layer + the LM head
     kv_token_bytes = 2 * layers * kv_heads * d * dtype_bytes
     decode_bytes = prefill_flops = 0.0
+    step_ideal = []
     for num_decodes, new, ctx, computed in steps:
         # Memory: weights once per step, plus the KV every decode row reads.
-        decode_bytes += weight_bytes + kv_token_bytes * sum(ctx[:num_decodes])
+        step_bytes = weight_bytes + kv_token_bytes * sum(ctx[:num_decodes])
+        step_flops = 0.0
         for n, start in zip(new[num_decodes:], computed[num_decodes:]):
-            prefill_flops += 2 * layer_params * layers * n
+            step_flops += 2 * layer_params * layers * n
             # causal attention: QK^T and PV over each new token's context
-            prefill_flops += 4 * layers * heads * d * (n * start + n * (n + 1) / 2)
+            step_flops += 4 * layers * heads * d * (n * start + n * (n + 1) / 2)
+        decode_bytes += step_bytes
+        prefill_flops += step_flops
+        step_ideal.append(step_bytes / bandwidth + step_flops / flops)
     t_mem = decode_bytes / bandwidth
     t_compute = prefill_flops / flops
     return {"weight_bytes_per_step": weight_bytes, "kv_bytes_per_token": kv_token_bytes,
             "bytes_moved": decode_bytes, "prefill_flops": prefill_flops,
-            "ideal_time_s": t_mem + t_compute, "steps": len(steps)}
+            "ideal_time_s": t_mem + t_compute, "steps": len(steps), "step_ideal_s": step_ideal}
+
+
+def step_breakdown(steps, times, end: float, step_ideal) -> list[dict]:
+    """Wall time against ideal time, by kind of step: where the run loses to the roofline."""
+    bins = [("prefill/mixed", lambda nd, n: n > nd), ("decode 1-15", lambda nd, n: n == nd < 16),
+            ("decode 16-63", lambda nd, n: n == nd and 16 <= nd < 64),
+            ("decode 64-127", lambda nd, n: n == nd and 64 <= nd < 128),
+            ("decode 128+", lambda nd, n: n == nd >= 128)]
+    walls = [b - a for a, b in zip(times, times[1:] + [end])]
+    rows = []
+    for name, pick in bins:
+        idx = [i for i, (nd, new, _, _) in enumerate(steps) if pick(nd, len(new))]
+        wall, ideal = sum(walls[i] for i in idx), sum(step_ideal[i] for i in idx)
+        rows.append({"steps": name, "count": len(idx), "wall_s": wall, "ideal_s": ideal,
+                     "wall_ms_per_step": 1e3 * wall / max(len(idx), 1), "ideal_ms_per_step": 1e3 * ideal / max(len(idx), 1)})
+    return rows
+
+
+def log_triton_compiles():
+    import triton
+    knobs = getattr(triton, "knobs", None)
+    if knobs is None:
+        print("--log-compiles needs triton >= 3.4 (triton.knobs)")
+        return
+
+    def hook(*, repr, **_):
+        print(f"[triton compile at {time.perf_counter():.3f}] {repr}", flush=True)
+        return False
+    knobs.runtime.jit_cache_hook = hook
+
+
+def minimal_sample(logits, meta):
+    """nano-vllm's sampler (temperature, then an exponential race), for the A/B of the sampling
+    features' cost: what a sampler that supports nothing but temperature costs."""
+    from nanovllm.layers.sampler import SamplerOutput
+    probs = torch.softmax(logits.float() / meta.temperatures.clamp(min=1e-5)[:, None], dim=-1)
+    tokens = probs.div_(torch.empty_like(probs).exponential_(1)).argmax(dim=-1)
+    return SamplerOutput(tokens)
 
 
 def model_dir(args) -> tuple[str, dict, str]:
@@ -119,8 +164,16 @@ def main():
     ap.add_argument("--top-k", type=int, default=-1)
     ap.add_argument("--repeat", type=int, default=1, help="timed runs (the first is the reported figure)")
     ap.add_argument("--json", help="write the figures to this file")
+    ap.add_argument("--no-split-k", action="store_true", help="decode projections on cuBLAS only (A/B of split-K)")
+    ap.add_argument("--log-compiles", action="store_true",
+                    help="print every Triton kernel variant compiled after start-up (with its specialisation)")
+    ap.add_argument("--sampler-ab", type=int, default=0, metavar="N",
+                    help="after the timed runs, N alternating runs with our sampler and nano-vllm's minimal one")
     args = ap.parse_args()
 
+    if args.no_split_k:
+        import nanovllm.kernels.splitk_gemm as splitk
+        splitk.splitk_config = lambda m, n, k: None
     path, cfg, load_format = model_dir(args)
     llm = LLM(path, enforce_eager=args.enforce_eager, max_model_len=args.max_model_len, load_format=load_format,
               device=args.device, dtype=args.dtype, tensor_parallel_size=args.tensor_parallel_size)
@@ -138,17 +191,36 @@ def main():
         params = [SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=m, top_p=args.top_p, top_k=args.top_k)
                   for m in max_tokens]
     llm.generate([[1, 2, 3, 4, 5]], SamplingParams(max_tokens=16), use_tqdm=False)  # warm-up
+    if args.log_compiles:
+        log_triton_compiles()
     recorder = ScheduleRecorder(llm.engine.scheduler)
     if device.type == "cuda":
         torch.cuda.synchronize()
     start = time.perf_counter()
     outputs = llm.generate(prompts, params, use_tqdm=False)
     elapsed = time.perf_counter() - start
-    steps = list(recorder.steps)
+    if args.log_compiles:
+        print(f"timed run: {start:.3f} to {start + elapsed:.3f}")
+    steps, times = list(recorder.steps), list(recorder.times)
     for i in range(1, args.repeat):
         again = time.perf_counter()
         llm.generate(prompts, params, use_tqdm=False)
         print(f"repeat {i}: {time.perf_counter() - again:.2f}s")
+    ab = {"ours": [], "minimal": []}
+    if args.sampler_ab:
+        sampler = getattr(llm.engine.model_runner, "sampler", None)
+        assert sampler is not None, "--sampler-ab needs tensor_parallel_size=1"
+        ours = sampler.sample
+        for _ in range(args.sampler_ab):
+            for name, fn in (("minimal", minimal_sample), ("ours", ours)):
+                sampler.sample = fn
+                t0 = time.perf_counter()
+                llm.generate(prompts, params, use_tqdm=False)
+                ab[name].append(time.perf_counter() - t0)
+        sampler.sample = ours
+        for name, ts in ab.items():
+            print(f"sampler {name}: " + ", ".join(f"{t:.3f}s" for t in ts) + f"  (best {min(ts):.3f}s)")
+        print(f"sampler A/B: ours/minimal best-time ratio {min(ab['ours']) / min(ab['minimal']):.4f}")
     out_tokens = sum(len(o["token_ids"]) for o in outputs)
     assert out_tokens == sum(p.max_tokens for p in params)
     throughput = out_tokens / elapsed
@@ -164,10 +236,16 @@ def main():
         "fraction_of_roofline": throughput / ideal_tput, "enforce_eager": args.enforce_eager,
         "tensor_parallel_size": args.tensor_parallel_size,
         "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+        "breakdown": step_breakdown(steps, times, start + elapsed, roof["step_ideal_s"]),
     }
+    if args.sampler_ab:
+        result["sampler_ab_s"] = ab
     print(f"Total: {out_tokens} tok, Time: {elapsed:.2f}s, Throughput: {throughput:,.0f} tok/s")
     print(f"Roofline (measured {bandwidth / 1e12:.2f} TB/s, {flops / 1e12:.0f} TFLOP/s, {roof['steps']} steps): "
           f"ideal {roof['ideal_time_s']:.2f}s = {ideal_tput:,.0f} tok/s; achieved {throughput / ideal_tput:.1%}")
+    for row in result["breakdown"]:
+        print(f"  {row['steps']:>14}: {row['count']:5d} steps, wall {row['wall_s']:.3f}s "
+              f"({row['wall_ms_per_step']:.2f} ms/step), ideal {row['ideal_s']:.3f}s ({row['ideal_ms_per_step']:.2f} ms/step)")
     print(json.dumps(result))
     if args.json:
         with open(args.json, "w") as f:

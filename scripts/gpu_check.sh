@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Everything that needs the GPU, in one call: GPU tests, kernel timings, the benchmarks.
 #   bash scripts/gpu_check.sh [OUTDIR]      (on the device machine: OUTDIR defaults to $OUT)
-# Stages can be picked with STAGES="tests kernels bench single bench8b" (default: all).
+# Stages can be picked with STAGES="tests kernels bench single bench8b" (that default), or with
+# any of: eager (enforce_eager=True), nosplitk (A/B of the split-K projections), topp (top-p/top-k).
 set -o pipefail
 OUTDIR=${1:-${OUT:-/tmp/nanovllm-gpu}}
 mkdir -p "$OUTDIR"
@@ -21,6 +22,7 @@ for stage in $STAGES; do
     kernels) run kernels python3 scripts/gpu_kernels.py ${KERNEL_ARGS:-} ;;
     bench)   run bench python3 bench.py --json "$OUTDIR/bench_qwen3_0.6b.json" ;;
     eager)   run eager python3 bench.py --enforce-eager --json "$OUTDIR/bench_qwen3_0.6b_eager.json" ;;
+    nosplitk) run nosplitk python3 bench.py --no-split-k --json "$OUTDIR/bench_qwen3_0.6b_nosplitk.json" ;;
     topp)    run topp python3 bench.py --top-p 0.9 --top-k 50 --json "$OUTDIR/bench_qwen3_0.6b_topp.json" ;;
     single)  run single python3 bench.py --single --json "$OUTDIR/bench_single.json" ;;
     bench8b) run bench8b python3 bench.py --config benchmarks/configs/qwen3-8b.json --json "$OUTDIR/bench_qwen3_8b.json" ;;

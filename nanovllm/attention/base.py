@@ -28,6 +28,9 @@ class AttentionMetadata:
     prefill_query_start_loc: torch.Tensor | None = None
     # Longest context any sequence may reach: a fixed bound for kernels captured in CUDA graphs.
     max_seq_len_bound: int | None = None
+    # [num_decodes] int32: the decode rows by descending context length, so that kernels can
+    # start the longest first (a permutation; any order gives the same result).
+    decode_order: torch.Tensor | None = None
 
     @property
     def num_decode_tokens(self) -> int:

@@ -30,7 +30,8 @@ class TritonAttentionBackend(AttentionBackend):
             kv_heads = k_cache.shape[2]
             splits = choose_num_splits(nd, q.shape[1], kv_heads, q.shape[2], q.device, hint)
             paged_decode_attention(q[:nd], k_cache, v_cache, meta.block_tables[:nd], meta.seq_lens[:nd], scale,
-                                   out=out[:nd], num_splits=splits, workspace=self.workspace)
+                                   out=out[:nd], num_splits=splits, workspace=self.workspace,
+                                   order=meta.decode_order)
         if nd < meta.num_seqs:
             paged_prefill_attention(q[nd:], k_cache, v_cache, meta.prefill_query_start_loc, meta.seq_lens[nd:],
                                     meta.block_tables[nd:], meta.max_query_len, scale, out=out[nd:])

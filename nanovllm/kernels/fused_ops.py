@@ -22,6 +22,8 @@ import torch
 import triton
 import triton.language as tl
 
+from nanovllm.kernels.splitk_gemm import SplitKOutput
+
 
 def _launch_opts(block: int) -> dict:
     # ~8 elements per thread (16 B of bf16) per row; more warps only for wide rows.
@@ -35,14 +37,22 @@ def _launch_opts(block: int) -> dict:
 def _rms_norm_kernel(
     x_ptr, res_ptr, w_ptr, y_ptr, res_out_ptr,
     stride_x, stride_r, stride_y, stride_ro,  # row strides; the hidden dim has unit stride
+    stride_part,  # NUM_PARTS > 0: x holds that many fp32 split-K partials, this far apart
     eps,
-    N: tl.constexpr, BLOCK: tl.constexpr, HAS_RES: tl.constexpr,
+    N: tl.constexpr, BLOCK: tl.constexpr, HAS_RES: tl.constexpr, NUM_PARTS: tl.constexpr,
 ):
     # One program per token row; the whole row lives in registers (BLOCK = next_pow2(N)).
     row = tl.program_id(0).to(tl.int64)  # int64: row * stride can exceed 2^31 at long prefills
     cols = tl.arange(0, BLOCK)
     mask = cols < N  # N is constexpr: when BLOCK == N the mask folds away (vector accesses)
-    x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+    if NUM_PARTS > 0:
+        # The projection's output = the sum of its partials, rounded as a GEMM would round it.
+        x = tl.zeros([BLOCK], tl.float32)
+        for s in tl.static_range(NUM_PARTS):
+            x += tl.load(x_ptr + s * stride_part + row * stride_x + cols, mask=mask, other=0.0)
+        x = x.to(res_ptr.dtype.element_ty).to(tl.float32)
+    else:
+        x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
     if HAS_RES:
         # x.float() + residual.float(), the new residual is that fp32 sum rounded once.
         x += tl.load(res_ptr + row * stride_r + cols, mask=mask, other=0.0).to(tl.float32)
@@ -53,7 +63,9 @@ def _rms_norm_kernel(
     # HF order: normalise in fp32, round to the input dtype, THEN multiply by the weight. The
     # product of two 16-bit floats is exact in fp32, so computing it in fp32 and rounding once is
     # exactly torch's bf16/fp16 multiply (it also covers an fp32 weight, which promotes to fp32).
-    xn = (x * tl.rsqrt(var + eps)).to(x_ptr.dtype.element_ty).to(tl.float32)
+    # (res_ptr has the activation dtype: it is x_ptr itself without a residual, and x_ptr holds
+    # fp32 partials with NUM_PARTS > 0.)
+    xn = (x * tl.rsqrt(var + eps)).to(res_ptr.dtype.element_ty).to(tl.float32)
     w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
     tl.store(y_ptr + row * stride_y + cols, (xn * w).to(y_ptr.dtype.element_ty), mask=mask)
 
@@ -75,18 +87,24 @@ def _out_rows(out, shape, dtype, device, n):
 
 
 def _rms_norm_launch(x, residual, weight, eps, out, residual_out):
-    n = x.shape[-1]
+    num_parts = stride_part = 0
+    if isinstance(x, SplitKOutput):
+        assert residual is not None and x.parts.is_contiguous()
+        num_parts, stride_part = x.parts.shape[0], x.parts.stride(0)
+        shape, dtype, x2 = x.shape, x.dtype, x.parts[0]
+    else:
+        shape, dtype, x2 = x.shape, x.dtype, _rows(x, x.shape[-1])
+    n = shape[-1]
     assert weight.shape == (n,), (weight.shape, n)
     weight = weight.contiguous()
     # `weight * y` with y in x's dtype: the result has the promoted dtype (== x.dtype in the model).
-    y_dtype = torch.promote_types(weight.dtype, x.dtype)
-    y, y2 = _out_rows(out, x.shape, y_dtype, x.device, n)
-    x2 = _rows(x, n)
+    y_dtype = torch.promote_types(weight.dtype, dtype)
+    y, y2 = _out_rows(out, shape, y_dtype, x2.device, n)
     rows = x2.shape[0]
     if residual is not None:
-        assert residual.shape == x.shape and residual.dtype == x.dtype, (residual.shape, residual.dtype)
+        assert residual.shape == shape and residual.dtype == dtype, (residual.shape, residual.dtype)
         r2 = _rows(residual, n)
-        r_out, ro2 = _out_rows(residual_out, x.shape, x.dtype, x.device, n)
+        r_out, ro2 = _out_rows(residual_out, shape, dtype, x2.device, n)
     else:
         r2, r_out, ro2 = x2, None, y2  # unused (HAS_RES=False); any valid pointers
     if rows == 0:
@@ -94,9 +112,9 @@ def _rms_norm_launch(x, residual, weight, eps, out, residual_out):
     block = triton.next_power_of_2(n)
     _rms_norm_kernel[(rows,)](
         x2, r2, weight, y2, ro2,
-        x2.stride(0), r2.stride(0), y2.stride(0), ro2.stride(0),
+        x2.stride(0), r2.stride(0), y2.stride(0), ro2.stride(0), stride_part,
         float(eps),
-        N=n, BLOCK=block, HAS_RES=residual is not None, **_launch_opts(block),
+        N=n, BLOCK=block, HAS_RES=residual is not None, NUM_PARTS=num_parts, **_launch_opts(block),
     )
     return y, r_out
 
@@ -116,7 +134,8 @@ def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Te
                        eps: float = 1e-6, out: torch.Tensor | None = None,
                        residual_out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """``RMSNorm.forward(x, residual)``: ``s = x.float() + residual.float()``; returns
-    ``(rms_norm(s) as in rms_norm, s.to(x.dtype))``.
+    ``(rms_norm(s) as in rms_norm, s.to(x.dtype))``. x may be a `SplitKOutput` (the partials of
+    the projection that produced it): they are summed, and rounded to x.dtype, on the way in.
 
     In place: pass ``out=x, residual_out=residual`` (each program reads its whole row before it
     writes, so aliasing either input is safe). Otherwise new tensors are allocated.

@@ -1,11 +1,14 @@
 """Flash-decoding over a paged KV cache (one query token per sequence).
 
-Stage 1 (``_decode_split_kernel``): grid ``(batch, kv_heads * head_blocks, num_splits)``.
+Stage 1 (``_decode_split_kernel``): grid ``(kv_heads * head_blocks, batch, num_splits)``.
 Each program owns one KV head and ALL query heads mapped onto it (GQA group), so every
 K/V tile is read from HBM once per KV head.  The group's queries form a ``[BLOCK_G, D]``
 tile (padded to >= 16 rows) so the scores and the P@V product use ``tl.dot``.  The keys
 of a sequence are divided evenly among the splits *inside the kernel* (from ``seq_lens``),
 so the launch configuration never depends on GPU data and can be CUDA-graph captured.
+An optional ``order`` (a permutation of the batch, longest context first) makes the GPU start
+the longest sequences first: on a ragged batch the last wave then holds only short programs
+instead of whichever long sequence happened to come last (longest-processing-time-first).
 
 Stage 2 (``_decode_merge_kernel``): grid ``(batch, q_heads)``; combines the per-split
 partial outputs with their log-sum-exp.  With a single split, stage 1 writes the final
@@ -32,7 +35,7 @@ _MAX_SPLITS = 64
 # Per-step values are not specialised on: one compiled variant serves every batch.
 @triton.jit(do_not_specialize=["stride_bt", "num_splits"])
 def _decode_split_kernel(
-    q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr,
+    q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, order_ptr,
     out_ptr, part_o_ptr, part_lse_ptr,
     qk_scale,  # softmax scale * log2(e)
     stride_qb, stride_qh,
@@ -49,11 +52,16 @@ def _decode_split_kernel(
     PAGE_SIZE: tl.constexpr,  # KV cache block size (tokens)
     BLOCK_N: tl.constexpr,  # keys per tile; tiles may span several cache blocks
     DIRECT_OUT: tl.constexpr,  # num_splits == 1: write the final output here
+    HAS_ORDER: tl.constexpr,  # program i of the batch axis serves sequence order[i]
     DOT_PREC: tl.constexpr,
 ):
-    b = tl.program_id(0)
-    kv_head = tl.program_id(1) // HEAD_BLOCKS
-    hblk = tl.program_id(1) % HEAD_BLOCKS
+    # The head axis varies fastest so that all heads of one sequence are dispatched together.
+    if HAS_ORDER:
+        b = tl.load(order_ptr + tl.program_id(1))
+    else:
+        b = tl.program_id(1)
+    kv_head = tl.program_id(0) // HEAD_BLOCKS
+    hblk = tl.program_id(0) % HEAD_BLOCKS
     split = tl.program_id(2)
 
     g = hblk * BLOCK_G + tl.arange(0, BLOCK_G)
@@ -208,6 +216,7 @@ def paged_decode_attention(
     num_splits: int | None = None,
     workspace: tuple[torch.Tensor, torch.Tensor] | None = None,
     max_seq_len_hint: int | None = None,
+    order: torch.Tensor | None = None,
     _config: tuple | None = None,  # (BLOCK_G, BLOCK_N, num_warps, num_stages), for benchmarks
 ) -> torch.Tensor:
     """Attention of one query token per sequence over its ``seq_lens[b]`` cached keys.
@@ -215,7 +224,8 @@ def paged_decode_attention(
     q: [B, Hq, D]; k_cache/v_cache: [num_blocks, block_size, Hkv, D];
     block_tables: [B, max_blocks] int32; seq_lens: [B] int32 (0 = padding row -> zeros).
     ``workspace``: optional (part_o, part_lse) from ``alloc_decode_workspace`` with room for
-    at least B x Hq x num_splits entries.  Returns ``out`` ([B, Hq, D], q's dtype).
+    at least B x Hq x num_splits entries.  ``order``: optional [B] int32 permutation of the rows,
+    longest context first (any permutation gives the same result).  Returns ``out`` ([B, Hq, D]).
     """
     batch, num_q_heads, head_dim = q.shape
     _, page_size, num_kv_heads, _ = k_cache.shape
@@ -249,8 +259,8 @@ def paged_decode_attention(
         part_o = workspace[0].view(-1)[: n * head_dim]
         part_lse = workspace[1].view(-1)[:n]
     dot_prec = "ieee" if q.dtype == torch.float32 else "tf32"
-    _decode_split_kernel[(batch, num_kv_heads * head_blocks, num_splits)](
-        q, k_cache, v_cache, block_tables, seq_lens,
+    _decode_split_kernel[(num_kv_heads * head_blocks, batch, num_splits)](
+        q, k_cache, v_cache, block_tables, seq_lens, seq_lens if order is None else order,
         out, part_o, part_lse,
         scale * _LOG2E,
         q.stride(0), q.stride(1),
@@ -262,7 +272,7 @@ def paged_decode_attention(
         GROUP=group, HEAD_BLOCKS=head_blocks, BLOCK_G=block_g,
         HEAD_DIM=head_dim, BLOCK_D=block_d,
         PAGE_SIZE=page_size, BLOCK_N=block_n,
-        DIRECT_OUT=direct, DOT_PREC=dot_prec,
+        DIRECT_OUT=direct, HAS_ORDER=order is not None, DOT_PREC=dot_prec,
         num_warps=num_warps, num_stages=num_stages,
     )
     if not direct:

@@ -72,9 +72,12 @@ def _sample_merge_kernel(part_score_ptr, part_idx_ptr, out_ptr, num_splits, voca
     tl.store(out_ptr + row, tl.min(tl.where(score == top, idx, vocab_size), axis=0).to(tl.int64))
 
 
+_MAX_SPLITS = 64
+
+
 def _num_splits(batch: int, vocab_size: int, device: torch.device, block: int) -> int:
     # ~4 programs per SM, but no split smaller than a few tiles.
-    return max(1, min(triton.cdiv(4 * _device_sms(device), batch), triton.cdiv(vocab_size, 4 * block), 64))
+    return max(1, min(triton.cdiv(4 * _device_sms(device), batch), triton.cdiv(vocab_size, 4 * block), _MAX_SPLITS))
 
 
 def sample_rows(logits: torch.Tensor, temperatures: torch.Tensor, row_keys: torch.Tensor,
@@ -96,5 +99,5 @@ def sample_rows(logits: torch.Tensor, temperatures: torch.Tensor, row_keys: torc
     _sample_split_kernel[(batch, splits)](logits, logits.stride(0), temperatures, row_keys, part_score, part_idx,
                                           vocab_size, chunk, splits, BLOCK=block, num_warps=4)
     _sample_merge_kernel[(batch,)](part_score, part_idx, out, splits, vocab_size,
-                                   BLOCK_S=max(16, triton.next_power_of_2(splits)), num_warps=1)
+                                   BLOCK_S=_MAX_SPLITS, num_warps=1)  # one variant for every batch size
     return out

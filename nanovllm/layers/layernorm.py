@@ -15,8 +15,10 @@ class RMSNorm(nn.Module):
         variance = x.pow(2).mean(dim=-1, keepdim=True)
         return self.weight * (x * torch.rsqrt(variance + self.eps)).to(dtype)
 
-    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
-        if x.is_cuda:  # one fused kernel instead of ~8 elementwise ones
+    def forward(self, x, residual: torch.Tensor | None = None):
+        """x: a tensor, or (on the GPU, with a residual) a `SplitKOutput` whose partials the fused
+        kernel sums."""
+        if (x if residual is None else residual).is_cuda:  # one fused kernel instead of ~8 elementwise ones
             from nanovllm.kernels.fused_ops import fused_add_rms_norm, rms_norm
             if residual is None:
                 return rms_norm(x, self.weight, self.eps)

@@ -95,7 +95,16 @@ class RowParallelLinear(LinearBase):
     def __init__(self, in_features: int, out_features: int, bias: bool = False):
         super().__init__(_divide(in_features, tp_size()), out_features, bias, 1)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, partials_ok: bool = False):
+        """partials_ok: the caller feeds the result to a fused residual-add RMSNorm, which can
+        sum split-K partials itself; small (decode) batches on the GPU then return a
+        `SplitKOutput` instead of a tensor (kernels/splitk_gemm.py says why)."""
+        if (partials_ok and x.is_cuda and x.dim() == 2 and self.bias is None and tp_size() == 1
+                and x.dtype in (torch.bfloat16, torch.float16)):
+            from nanovllm.kernels.splitk_gemm import splitk_linear
+            parts = splitk_linear(x, self.weight)
+            if parts is not None:
+                return parts
         # Bias is added once, after the reduction.
         y = F.linear(x, self.weight, self.bias if tp_rank() == 0 else None)
         return all_reduce(y)

@@ -39,7 +39,8 @@ class DecoderAttention(nn.Module):
             q, k = self.rotary_emb(positions, q, k, self.q_norm, self.k_norm)
         else:
             q, k = self.rotary_emb(positions, q, k)
-        return self.o_proj(self.attn(q, k, v, meta))
+        # The output only feeds the post-attention residual-add RMSNorm: partial sums are fine.
+        return self.o_proj(self.attn(q, k, v, meta), partials_ok=True)
 
 
 class DecoderMLP(nn.Module):
@@ -53,7 +54,8 @@ class DecoderMLP(nn.Module):
         self.act_fn = SiluAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act_fn(self.gate_up_proj(x)))
+        # Consumed by the next residual-add RMSNorm (next layer's or the final one).
+        return self.down_proj(self.act_fn(self.gate_up_proj(x)), partials_ok=True)
 
 
 class DecoderLayer(nn.Module):

@@ -27,6 +27,8 @@ class CUDAGraphRunner:
         self.seq_lens = torch.zeros(max_bs, dtype=torch.int32, device=device)
         self.block_tables = torch.zeros(max_bs, max_blocks_per_seq, dtype=torch.int32, device=device)
         self.query_start_loc = torch.arange(max_bs + 1, dtype=torch.int32, device=device)
+        self.row_ids = torch.arange(max_bs, dtype=torch.int32, device=device)
+        self.decode_order = self.row_ids.clone()
         self.hidden = torch.zeros(max_bs, hidden_size, dtype=dtype, device=device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.pool = None
@@ -36,7 +38,7 @@ class CUDAGraphRunner:
             num_seqs=bs, num_decodes=bs, slot_mapping=self.slot_mapping[:bs],
             query_start_loc=self.query_start_loc[:bs + 1], seq_lens=self.seq_lens[:bs],
             block_tables=self.block_tables[:bs], max_query_len=1, max_seq_len=self.max_model_len,
-            max_seq_len_bound=self.max_model_len)
+            max_seq_len_bound=self.max_model_len, decode_order=self.decode_order[:bs])
 
     @torch.inference_mode()
     def capture(self):
@@ -62,9 +64,14 @@ class CUDAGraphRunner:
         self.positions[:n] = positions
         self.slot_mapping[:n] = meta.slot_mapping
         self.seq_lens[:n] = meta.seq_lens
+        if meta.decode_order is not None:
+            self.decode_order[:n] = meta.decode_order
+        else:
+            self.decode_order[:n] = self.row_ids[:n]
         if bs > n:
             self.slot_mapping[n:bs] = -1
             self.seq_lens[n:bs] = 0
+            self.decode_order[n:bs] = self.row_ids[n:bs]  # padding rows (empty) go last
         nb = meta.block_tables.shape[1]
         self.block_tables[:n, :nb] = meta.block_tables
         self.graphs[bs].replay()

@@ -27,6 +27,7 @@ class HostInputs:
     # Inputs sampled by the previous step and not yet seen by the host: input_ids[dst] = last[src].
     pending_dst: np.ndarray | None = None
     pending_src: np.ndarray | None = None
+    decode_order: np.ndarray | None = None  # [num_decodes] int32: decode rows, longest context first
 
 
 @dataclass
@@ -83,6 +84,7 @@ def build_host_inputs(batch: ScheduledBatch, block_size: int,
         pending_dst=pending if pending.size else None,
         pending_src=(np.fromiter((last_row_of_seq[seqs[i].seq_id] for i in pending), np.int64, pending.size)
                      if pending.size else None),
+        decode_order=np.argsort(-seq_lens[:nd], kind="stable").astype(np.int32) if nd else None,
     )
 
 
@@ -136,16 +138,20 @@ def to_device(host: HostInputs, stage: HostToDevice, max_seq_len_bound: int | No
     counts = np.diff(host.query_start_loc)
     has_prefill = nd < num_seqs
     has_pending = host.pending_dst is not None
+    has_order = host.decode_order is not None
     arrays = [host.input_ids, host.positions, host.slot_mapping, host.query_start_loc, host.seq_lens,
               host.block_tables, host.logits_indices]
     if has_prefill:
         arrays.append(host.query_start_loc[nd:] - nd)
+    if has_order:
+        arrays.append(host.decode_order)
     if has_pending:
         arrays += [host.pending_dst, host.pending_src]
     moved = stage(*arrays)
     input_ids, positions, slots, qsl, seq_lens, tables, logits_indices = moved[:7]
     rest = moved[7:]
     prefill_qsl = rest.pop(0) if has_prefill else None
+    decode_order = rest.pop(0) if has_order else None
     attn = AttentionMetadata(
         num_seqs=num_seqs,
         num_decodes=nd,
@@ -159,6 +165,7 @@ def to_device(host: HostInputs, stage: HostToDevice, max_seq_len_bound: int | No
         seq_lens_host=host.seq_lens.tolist(),
         prefill_query_start_loc=prefill_qsl,
         max_seq_len_bound=max_seq_len_bound,
+        decode_order=decode_order,
     )
     return ForwardBatch(
         input_ids=input_ids, positions=positions, attn=attn, logits_indices=logits_indices,

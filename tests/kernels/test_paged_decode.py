@@ -14,7 +14,7 @@ else:  # bf16 tl.dot is wrong under TRITON_INTERPRET=1: never tested there
 
 
 def _run_case(seq_lens, num_q_heads, num_kv_heads, head_dim, block_size, dtype, device, gen,
-              num_splits=None, workspace=None):
+              num_splits=None, workspace=None, order=None):
     k_cache, v_cache, block_tables = ref.random_paged_kv(
         seq_lens, num_kv_heads, head_dim, block_size, dtype, device, generator=gen)
     seq_lens_t = torch.tensor(seq_lens, dtype=torch.int32, device=device)
@@ -26,7 +26,7 @@ def _run_case(seq_lens, num_q_heads, num_kv_heads, head_dim, block_size, dtype, 
     out = torch.full((len(seq_lens), num_q_heads, head_dim), float("nan"), dtype=dtype,
                      device=device)  # poisoned: every element must be written
     res = paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens_t, scale, out=out,
-                                 num_splits=num_splits, workspace=workspace)
+                                 num_splits=num_splits, workspace=workspace, order=order)
     assert res is out
     expect = ref.paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens_t, scale)
     assert not out.isnan().any()
@@ -82,6 +82,15 @@ def test_decode_preallocated_workspace(device, gen):
     for seq_lens in ([5, 100, 0], [64, 1, 2, 3, 150, 0, 7, 33]):
         _run_case(seq_lens, 8, 4, 64, 16, torch.float16, device, gen,
                   num_splits=num_splits, workspace=ws)
+
+
+@pytest.mark.parametrize("num_splits", [1, 2])
+def test_decode_longest_first_order(num_splits, device, gen):
+    """Programs dispatched longest-first (a permutation of the rows) give the same outputs."""
+    seq_lens = [5, 300, 0, 77, 160, 1]
+    order = torch.tensor(sorted(range(len(seq_lens)), key=lambda i: -seq_lens[i]), dtype=torch.int32, device=device)
+    dtype = torch.float32 if not ON_GPU else torch.float16
+    _run_case(seq_lens, 8, 2, 64, 16, dtype, device, gen, num_splits=num_splits, order=order)
 
 
 def test_decode_all_padding(device, gen):

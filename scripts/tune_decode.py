@@ -1,0 +1,93 @@
+"""Sweep the paged-decode kernel's tile configuration on ragged batches like the benchmark's.
+
+    python scripts/tune_decode.py            (on the GPU machine)
+
+For each batch (context lengths drawn like the nano-vllm workload at several points of its run)
+it times every (BLOCK_N, num_warps, num_stages) with and without longest-first dispatch and a few
+split counts, checks each result against the default configuration, and prints the bandwidth
+reached as a fraction of the device copy bandwidth measured in the same run.
+"""
+import itertools
+import os
+import random
+import sys
+
+import torch
+import triton.testing
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+from nanovllm.kernels.paged_decode import _decode_config, alloc_decode_workspace, paged_decode_attention  # noqa: E402
+
+HQ, HKV, D, PAGE = 16, 8, 128, 256  # Qwen3-0.6B's attention, the default block size
+
+
+def copy_bandwidth() -> float:
+    src = torch.randn(1 << 30, dtype=torch.bfloat16, device="cuda")
+    dst = torch.empty_like(src)
+    ms = triton.testing.do_bench(lambda: dst.copy_(src), warmup=25, rep=200, return_mode="median")
+    return 2 * src.numel() * 2 / (ms * 1e-3)
+
+
+def make_batch(lens, num_blocks):
+    max_blocks = max(-(-n // PAGE) for n in lens)
+    perm = torch.randperm(num_blocks, device="cuda", dtype=torch.int32)
+    tables = torch.zeros(len(lens), max_blocks, dtype=torch.int32, device="cuda")
+    used = 0
+    for i, n in enumerate(lens):
+        nb = -(-n // PAGE)
+        tables[i, :nb] = perm[used:used + nb]
+        used += nb
+    seq_lens = torch.tensor(lens, dtype=torch.int32, device="cuda")
+    order = torch.argsort(seq_lens, descending=True, stable=True).to(torch.int32)
+    q = torch.randn(len(lens), HQ, D, dtype=torch.bfloat16, device="cuda")
+    return q, tables, seq_lens, order
+
+
+def main():
+    torch.manual_seed(0)
+    random.seed(0)
+    bw = copy_bandwidth()
+    print(f"copy bandwidth {bw / 1e12:.2f} TB/s")
+    num_blocks = 256 * 9
+    k_cache = torch.randn(num_blocks, PAGE, HKV, D, dtype=torch.bfloat16, device="cuda")
+    v_cache = torch.randn_like(k_cache)
+    ws = alloc_decode_workspace(256, HQ, D, 8, "cuda")
+    # Context lengths over the benchmark's run: prompts U(100, 1024) plus the tokens generated so far.
+    batches = {
+        "B=256 early": [random.randint(100, 1024) + 50 for _ in range(256)],
+        "B=256 mid": [random.randint(100, 1024) + random.randint(100, 600) for _ in range(256)],
+        "B=128 late": [random.randint(100, 1024) + random.randint(500, 900) for _ in range(128)],
+        "B=32 tail": [random.randint(100, 1024) + random.randint(900, 1000) for _ in range(32)],
+    }
+    block_g = _decode_config(D, HQ // HKV)[0]
+    configs = [(block_g, n, w, s) for n, w, s in itertools.product((32, 64, 128), (4, 8), (2, 3, 4))]
+    for name, lens in batches.items():
+        q, tables, seq_lens, order = make_batch(lens, num_blocks)
+        kv_bytes = sum(lens) * HKV * D * 2 * 2
+        expect = paged_decode_attention(q, k_cache, v_cache, tables, seq_lens, D ** -0.5, workspace=ws)
+        results = []
+        splits_options = (1, 2) if len(lens) >= 128 else (None, 1, 2, 4)
+        for cfg, use_order, splits in itertools.product(configs, (False, True), splits_options):
+            def call():
+                return paged_decode_attention(q, k_cache, v_cache, tables, seq_lens, D ** -0.5, num_splits=splits,
+                                              workspace=ws, order=order if use_order else None, _config=cfg)
+            try:
+                out = call()
+                torch.testing.assert_close(out.float(), expect.float(), atol=2e-2, rtol=2e-2)
+                ms = triton.testing.do_bench_cudagraph(call, rep=50, return_mode="median")
+            except Exception as e:  # an invalid config (shared memory) is skipped, not fatal
+                print(f"  {cfg} order={use_order} splits={splits}: {type(e).__name__}: {str(e)[:80]}")
+                continue
+            results.append((ms, cfg, use_order, splits))
+        results.sort(key=lambda r: r[0])
+        default = next(r for r in results if r[1] == _decode_config(D, HQ // HKV) and not r[2]
+                       and r[3] == splits_options[0])
+        print(f"{name}: sum ctx {sum(lens)}, KV {kv_bytes / 1e9:.2f} GB; default config "
+              f"{default[0] * 1e3:.1f} us = {kv_bytes / (default[0] * 1e-3) / bw:.1%} of copy BW")
+        for ms, cfg, use_order, splits in results[:8]:
+            print(f"  {ms * 1e3:7.1f} us  {kv_bytes / (ms * 1e-3) / bw:6.1%}  BLOCK_N={cfg[1]:3d} warps={cfg[2]} "
+                  f"stages={cfg[3]} longest_first={use_order} splits={splits}")
+
+
+if __name__ == "__main__":
+    main()
