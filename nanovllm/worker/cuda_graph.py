@@ -61,13 +61,6 @@ class CUDAGraphRunner:
             block_tables=self.block_tables[lo:hi], max_query_len=1, max_seq_len=self.max_model_len,
             max_seq_len_bound=self.max_model_len, decode_order=self.decode_order[lo:hi], workspace_slot=slot)
 
-    def _identity_order(self, bs: int):
-        """A valid order for warm-up and capture: each half's rows in place (numbered within the
-        half). Set outside the graph: the graph only reads the buffer, run() fills it."""
-        h = self.split_point(bs) or bs
-        self.decode_order[:h] = self.row_ids[:h]
-        self.decode_order[h:bs] = self.row_ids[:bs - h]
-
     def _forward(self, bs: int):
         h = self.split_point(bs)
         if h is None:
@@ -83,7 +76,6 @@ class CUDAGraphRunner:
     @torch.inference_mode()
     def capture(self):
         for bs in reversed(self.batch_sizes):
-            self._identity_order(bs)
             # Warm-up outside the graph: compiles kernels and settles allocator state.
             self._forward(bs)
             graph = torch.cuda.CUDAGraph()
