@@ -164,8 +164,6 @@ def main():
     ap.add_argument("--top-k", type=int, default=-1)
     ap.add_argument("--repeat", type=int, default=1, help="timed runs (the first is the reported figure)")
     ap.add_argument("--json", help="write the figures to this file")
-    ap.add_argument("--two-stream-min-batch", type=int, default=None, metavar="B",
-                    help="CUDA graphs of B sequences or more run as two half-batch streams (A/B; default: the engine's)")
     ap.add_argument("--no-split-k", action="store_true", help="decode projections on cuBLAS only (A/B of split-K)")
     ap.add_argument("--log-compiles", action="store_true",
                     help="print every Triton kernel variant compiled after start-up (with its specialisation)")
@@ -173,9 +171,6 @@ def main():
                     help="after the timed runs, N alternating runs with our sampler and nano-vllm's minimal one")
     args = ap.parse_args()
 
-    if args.two_stream_min_batch is not None:
-        import nanovllm.worker.cuda_graph as cuda_graph
-        cuda_graph.TWO_STREAM_MIN_BATCH = args.two_stream_min_batch
     if args.no_split_k:
         import nanovllm.kernels.splitk_gemm as splitk
         splitk.splitk_config = lambda m, n, k: None

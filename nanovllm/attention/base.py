@@ -31,10 +31,6 @@ class AttentionMetadata:
     # [num_decodes] int32: the decode rows by descending context length, so that kernels can
     # start the longest first (a permutation; any order gives the same result).
     decode_order: torch.Tensor | None = None
-    decode_order_split: int | None = None  # set: two orders, see worker/inputs.py HostInputs
-    # Which of the backend's work buffers this forward may use: two halves of a batch that run
-    # concurrently on two streams (worker/cuda_graph.py) must not share one.
-    workspace_slot: int = 0
 
     @property
     def num_decode_tokens(self) -> int:

@@ -12,27 +12,25 @@ class TritonAttentionBackend(AttentionBackend):
     supports_cuda_graphs = True
 
     def __init__(self):
-        self.workspaces = None
+        self.workspace = None
 
     def setup(self, max_num_seqs, num_q_heads, num_kv_heads, head_dim, max_model_len, device):
         # Split partials for the worst batch size (B x splits(B) peaks at some B), allocated once
         # so that CUDA graphs capture fixed addresses.
         rows = max(b * choose_num_splits(b, num_q_heads, num_kv_heads, head_dim, device, max_model_len)
                    for b in range(1, max_num_seqs + 1))
-        # Two: the halves of a two-stream CUDA graph run at the same time.
-        self.workspaces = [alloc_decode_workspace(rows, num_q_heads, head_dim, 1, device) for _ in range(2)]
+        self.workspace = alloc_decode_workspace(rows, num_q_heads, head_dim, 1, device)
 
     def forward(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float):
         store_kv_cache(k, v, k_cache, v_cache, meta.slot_mapping)
         out = torch.empty_like(q)
         nd = meta.num_decodes
         if nd:
-            assert meta.decode_order_split is None, "a two-part decode order is for CUDA-graph halves only"
             hint = meta.max_seq_len_bound or meta.max_seq_len
             kv_heads = k_cache.shape[2]
             splits = choose_num_splits(nd, q.shape[1], kv_heads, q.shape[2], q.device, hint)
             paged_decode_attention(q[:nd], k_cache, v_cache, meta.block_tables[:nd], meta.seq_lens[:nd], scale,
-                                   out=out[:nd], num_splits=splits, workspace=self.workspaces[meta.workspace_slot],
+                                   out=out[:nd], num_splits=splits, workspace=self.workspace,
                                    order=meta.decode_order)
         if nd < meta.num_seqs:
             paged_prefill_attention(q[nd:], k_cache, v_cache, meta.prefill_query_start_loc, meta.seq_lens[nd:],

@@ -27,10 +27,7 @@ class HostInputs:
     # Inputs sampled by the previous step and not yet seen by the host: input_ids[dst] = last[src].
     pending_dst: np.ndarray | None = None
     pending_src: np.ndarray | None = None
-    # [num_decodes] int32: decode rows, longest context first. With decode_split h, two orders:
-    # rows [0, h) and rows [h, num_decodes) (numbered from h), for two half-batch forwards.
-    decode_order: np.ndarray | None = None
-    decode_split: int | None = None
+    decode_order: np.ndarray | None = None  # [num_decodes] int32: decode rows, longest context first
 
 
 @dataclass
@@ -44,16 +41,8 @@ class ForwardBatch:
     pending_src: torch.Tensor | None = None
 
 
-def _longest_first(seq_lens: np.ndarray, split: int | None) -> np.ndarray:
-    if split is None:
-        return np.argsort(-seq_lens, kind="stable").astype(np.int32)
-    return np.concatenate([np.argsort(-seq_lens[:split], kind="stable"),
-                           np.argsort(-seq_lens[split:], kind="stable")]).astype(np.int32)
-
-
 def build_host_inputs(batch: ScheduledBatch, block_size: int,
-                      last_row_of_seq: dict[int, int] | None = None,
-                      decode_split: int | None = None) -> HostInputs:
+                      last_row_of_seq: dict[int, int] | None = None) -> HostInputs:
     # Vectorised over sequences where it matters: a decode step of hundreds of sequences must
     # cost far less host time than the device spends on it.
     seqs, counts = batch.seqs, batch.num_new_tokens
@@ -95,8 +84,7 @@ def build_host_inputs(batch: ScheduledBatch, block_size: int,
         pending_dst=pending if pending.size else None,
         pending_src=(np.fromiter((last_row_of_seq[seqs[i].seq_id] for i in pending), np.int64, pending.size)
                      if pending.size else None),
-        decode_order=_longest_first(seq_lens[:nd], decode_split) if nd else None,
-        decode_split=decode_split,
+        decode_order=np.argsort(-seq_lens[:nd], kind="stable").astype(np.int32) if nd else None,
     )
 
 
@@ -178,7 +166,6 @@ def to_device(host: HostInputs, stage: HostToDevice, max_seq_len_bound: int | No
         prefill_query_start_loc=prefill_qsl,
         max_seq_len_bound=max_seq_len_bound,
         decode_order=decode_order,
-        decode_order_split=host.decode_split,
     )
     return ForwardBatch(
         input_ids=input_ids, positions=positions, attn=attn, logits_indices=logits_indices,

@@ -76,7 +76,7 @@ class ModelRunner:
             from nanovllm.worker.cuda_graph import CUDAGraphRunner
             self.graph_runner = CUDAGraphRunner(self.model, config.max_num_seqs, self.max_blocks_per_seq,
                                                 config.hf_config.hidden_size, config.torch_dtype, self.device,
-                                                config.max_model_len, two_streams=config.tensor_parallel_size == 1)
+                                                config.max_model_len)
             self.graph_runner.capture()
 
     # ---- KV cache -----------------------------------------------------------------------
@@ -157,10 +157,7 @@ class ModelRunner:
     # ---- one step -----------------------------------------------------------------------
     @torch.inference_mode()
     def execute(self, batch: ScheduledBatch) -> StepOutput:
-        split = None
-        if self.graph_runner is not None and batch.num_decodes == len(batch.seqs):
-            split = self.graph_runner.split_point(batch.num_decodes)
-        host = build_host_inputs(batch, self.block_size, self._last_row_of_seq, decode_split=split)
+        host = build_host_inputs(batch, self.block_size, self._last_row_of_seq)
         seqs = [batch.seqs[i] for i in host.sample_rows]
         return self.run(host, seqs)
 

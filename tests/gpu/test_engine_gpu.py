@@ -61,22 +61,6 @@ def test_cuda_graphs_identical_to_eager_fp32(model_factory):
     assert graphs == eager
 
 
-def test_two_stream_graphs_identical_to_eager_fp32(model_factory, monkeypatch):
-    """Graphs captured as two half-batch forwards on two streams (lowered threshold so the test's
-    batch sizes use them) give the eager tokens; padding rows land in the second half."""
-    import nanovllm.worker.cuda_graph as cuda_graph
-    monkeypatch.setattr(cuda_graph, "TWO_STREAM_MIN_BATCH", 8)
-    kwargs = dict(dtype="float32", max_model_len=1024, max_num_seqs=64, gpu_memory_utilization=0.3)
-    prompts = _prompts(7) * 3  # 24 sequences -> graph 32 = 16 + 16 (8 padding rows)
-    with LLM(model_factory("qwen3"), **kwargs) as llm:
-        runner = llm.engine.model_runner.graph_runner
-        assert runner.split_point(24) == 16 and runner.split_point(4) is None
-        graphs = _greedy(llm, prompts, 40)
-    with LLM(model_factory("qwen3"), enforce_eager=True, **kwargs) as llm:
-        eager = _greedy(llm, prompts, 40)
-    assert graphs == eager
-
-
 def test_qwen3_06b_bf16_triton_agrees_with_torch_backend(tmp_path):
     import shutil
     shutil.copy(QWEN3_06B, tmp_path / "config.json")

@@ -39,14 +39,3 @@ def test_mixed_batch_layout():
     assert torch.equal(fb.input_ids, torch.from_numpy(host.input_ids))
     assert fb.attn.num_decodes == 2 and fb.attn.max_query_len == 20 and fb.attn.max_seq_len == 40
     assert np.array_equal(fb.attn.block_tables.numpy(), host.block_tables)
-
-
-def test_decode_order_longest_first_per_half():
-    """With a split, each half gets its own longest-first order, numbered from the half's start."""
-    import numpy as np
-
-    from nanovllm.worker.inputs import _longest_first
-    lens = np.array([5, 9, 1, 7, 3, 8], dtype=np.int64)
-    assert _longest_first(lens, None).tolist() == [1, 5, 3, 0, 4, 2]
-    assert _longest_first(lens, 4).tolist() == [1, 3, 0, 2, 1, 0]
-    assert _longest_first(lens, 6).tolist() == [1, 5, 3, 0, 4, 2]
