@@ -13,10 +13,15 @@ python3 -m nanovllm serve "$model" --load-format dummy --port 8000 > "$OUTDIR/se
 server=$!
 for _ in $(seq 180); do curl -sf http://127.0.0.1:8000/health > /dev/null && break; sleep 1; done
 status=0
-run() { echo "=== $*"; python3 bench_serving.py --base-url http://127.0.0.1:8000 --vocab-size 10000 "$@" || status=1; }
+metrics() { curl -s http://127.0.0.1:8000/metrics | grep -E "^nanovllm:(num_requests|kv_cache_usage|engine_)" || true; }
+run() {  # the engine_* counters are cumulative: compare them before and after a run
+  echo "=== $*"; metrics
+  python3 bench_serving.py --base-url http://127.0.0.1:8000 --vocab-size 10000 "$@" || status=1
+  metrics
+}
+[ -n "${ONLY_C256:-}" ] && { run --num-prompts 512 --concurrency 256 --input-len 100:1024 --output-len 100:1024 --json-out "$OUTDIR/serving_c256.json"; kill -TERM $server; wait $server; exit $status; }
 run --num-prompts 512 --concurrency 256 --input-len 100:1024 --output-len 100:1024 --json-out "$OUTDIR/serving_c256.json"
 run --num-prompts 256 --request-rate 16 --input-len 100:1024 --output-len 100:512 --json-out "$OUTDIR/serving_r16.json"
 run --num-prompts 64 --concurrency 1 --input-len 128 --output-len 256 --json-out "$OUTDIR/serving_c1.json"
-curl -s http://127.0.0.1:8000/metrics | grep -E "^nanovllm:(num_requests|kv_cache_usage)" || true
 kill -TERM $server; wait $server
 exit $status

@@ -64,6 +64,12 @@ class EngineStats:
     prefix_cache_queries: int = 0
     prefix_cache_hits: int = 0
     num_preemptions: int = 0
+    # Where the engine thread's time goes (wall seconds since start): stepping the engine, turning
+    # step results into per-request outputs, and steps taken. A step time far above the offline
+    # step time means the thread waits for the interpreter (the HTTP side holds it).
+    engine_steps: int = 0
+    step_seconds: float = 0.0
+    collect_seconds: float = 0.0
 
 
 class RequestHandle:
@@ -122,6 +128,7 @@ class AsyncLLMEngine:
         self._ready = threading.Event()
         self._startup_error: BaseException | None = None
         self._consecutive_errors = 0
+        self._timing = [0, 0.0, 0.0]  # steps, seconds in engine.step(), seconds in _collect()
 
     # ---- lifecycle (caller's thread) ------------------------------------------------------
     def start(self):
@@ -303,13 +310,19 @@ class AsyncLLMEngine:
                                                         error=RequestRejected(message, status)))
 
     def _step(self):
+        start = time.perf_counter()
         try:
             self.engine.step()
         except Exception as e:
             self._on_step_error(e)
             return
+        stepped = time.perf_counter()
         self._consecutive_errors = 0
         self._collect()
+        timing = self._timing
+        timing[0] += 1
+        timing[1] += stepped - start
+        timing[2] += time.perf_counter() - stepped
 
     def _on_step_error(self, error: Exception):
         """Fail the requests the step was running (they may be in an inconsistent state), keep the
@@ -394,7 +407,7 @@ class AsyncLLMEngine:
         waiting = {seq.request_id for seq in sched.waiting} - running
         # One attribute assignment: readers on other threads always see a consistent snapshot.
         self.stats = EngineStats(len(running), len(waiting), bm.usage, bm.prefix_queries, bm.prefix_hits,
-                                 sched.num_preemptions)
+                                 sched.num_preemptions, *self._timing)
 
     # ---- delivery to event loops ----------------------------------------------------------
     def _send(self, handle: RequestHandle, kind: str, value):

@@ -112,6 +112,12 @@ class ServerMetrics:
                [sample("prefix_cache_hits_total", stats.prefix_cache_hits)])
         metric("num_preemptions_total", "counter", "Sequences preempted (KV cache full) and recomputed later.",
                [sample("num_preemptions_total", stats.num_preemptions)])
+        metric("engine_steps_total", "counter", "Engine steps taken.", [sample("engine_steps_total", stats.engine_steps)])
+        metric("engine_step_seconds_total", "counter", "Wall time of the engine thread inside engine steps.",
+               [sample("engine_step_seconds_total", stats.step_seconds)])
+        metric("engine_collect_seconds_total", "counter",
+               "Wall time of the engine thread turning step results into per-request outputs.",
+               [sample("engine_collect_seconds_total", stats.collect_seconds)])
         with self._lock:
             metric("prompt_tokens_total", "counter", "Prompt tokens of accepted requests.",
                    [sample("prompt_tokens_total", self.prompt_tokens)])

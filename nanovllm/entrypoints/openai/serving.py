@@ -13,7 +13,7 @@ import time
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from nanovllm.engine.async_engine import AsyncLLMEngine, RequestHandle, RequestRejected
+from nanovllm.engine.async_engine import AsyncLLMEngine, CompletionOutput, RequestHandle, RequestRejected
 from nanovllm.entrypoints.openai.protocol import (
     APIError, ChatChoice, ChatCompletionChunk, ChatCompletionRequest, ChatCompletionResponse, ChatLogprobs,
     ChatResponseMessage, ChatStreamChoice, CompletionChoice, CompletionChunk, CompletionLogprobs,
@@ -265,19 +265,32 @@ class _Job:
                 yield output, self.base[request_id]
 
     async def stream(self, out_queue: asyncio.Queue):
-        """(request output, completion output, choice index) as the engine produces them."""
+        """(request output, completion output, choice index) as the engine produces them. Outputs
+        that queued up while the client was being served are merged into one per choice: under
+        load a stream sends one chunk per pass instead of one per token, so the server's work
+        follows what the clients can take rather than the token rate."""
         pending = set(self.base)
         while pending:
-            out = await out_queue.get()
-            if out.error is not None:
-                raise out.error
-            self.last[out.request_id] = out
-            for output in out.outputs:
-                index = self.base[out.request_id] + output.index
+            batch = [await out_queue.get()]
+            while True:
+                try:
+                    batch.append(out_queue.get_nowait())
+                except asyncio.QueueEmpty:
+                    break
+            merged: dict[tuple[str, int], CompletionOutput] = {}
+            for out in batch:
+                if out.error is not None:
+                    raise out.error
+                self.last[out.request_id] = out
+                for output in out.outputs:
+                    key = (out.request_id, output.index)
+                    merged[key] = _merge(merged[key], output) if key in merged else output
+                if out.finished:
+                    pending.discard(out.request_id)
+            for (request_id, _), output in merged.items():
+                index = self.base[request_id] + output.index
                 self.num_tokens[index] = output.num_tokens
-                yield out, output, index
-            if out.finished:
-                pending.discard(out.request_id)
+                yield self.last[request_id], output, index
 
     def usage(self, finals: dict) -> Usage:
         completion = sum(self.num_tokens.values())
@@ -285,6 +298,13 @@ class _Job:
         return Usage(prompt_tokens=self.num_prompt_tokens, completion_tokens=completion,
                      total_tokens=self.num_prompt_tokens + completion,
                      prompt_tokens_details=PromptTokensDetails(cached_tokens=cached))
+
+
+def _merge(a: CompletionOutput, b: CompletionOutput) -> CompletionOutput:
+    """Two consecutive deltas of one sequence as one."""
+    logprobs = None if a.logprobs is None and b.logprobs is None else (a.logprobs or []) + (b.logprobs or [])
+    return CompletionOutput(a.index, a.text + b.text, a.token_ids + b.token_ids, logprobs,
+                            b.finish_reason, b.stop_reason, b.num_tokens)
 
 
 def _abort(handles: list[RequestHandle]):

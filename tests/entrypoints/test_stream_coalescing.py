@@ -1,0 +1,34 @@
+"""Streaming merges the outputs that queued up while the client was being served."""
+import asyncio
+
+from nanovllm.engine.async_engine import CompletionOutput, RequestOutput
+from nanovllm.entrypoints.openai.serving import _Job
+
+
+class _Handle:
+    def __init__(self, request_id):
+        self.request_id = request_id
+
+
+def test_queued_deltas_merge_into_one_output_per_choice():
+    async def scenario():
+        job = _Job("cmpl-1", "m", 1, [_Handle("a"), _Handle("b")], [[1, 2], [3]])
+        queue: asyncio.Queue = asyncio.Queue()
+        queue.put_nowait(RequestOutput("a", [CompletionOutput(0, "he", [5], [{"logprob": -1.0}], num_tokens=1)]))
+        queue.put_nowait(RequestOutput("b", [CompletionOutput(0, "x", [7], None, num_tokens=1)]))
+        queue.put_nowait(RequestOutput("a", [CompletionOutput(0, "llo", [6], [{"logprob": -2.0}], "length",
+                                                              num_tokens=2)], finished=True))
+        got = []
+        async for _, output, index in job.stream(queue):
+            got.append((index, output))
+            if len(got) == 2:  # b finishes later, after the first batch was sent
+                queue.put_nowait(RequestOutput("b", [CompletionOutput(0, "y", [8], None, "stop", num_tokens=2)],
+                                               finished=True))
+        return job, got
+
+    job, got = asyncio.run(scenario())
+    (i0, a), (i1, b1), (i2, b2) = got
+    assert (i0, a.text, a.token_ids, a.finish_reason, a.num_tokens) == (0, "hello", [5, 6], "length", 2)
+    assert [e["logprob"] for e in a.logprobs] == [-1.0, -2.0]
+    assert (i1, b1.text, i2, b2.text, b2.finish_reason) == (1, "x", 1, "y", "stop")
+    assert job.num_tokens == {0: 2, 1: 2}
