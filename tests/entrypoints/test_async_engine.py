@@ -7,7 +7,8 @@ import httpx
 import pytest
 
 from nanovllm.config import Config
-from nanovllm.engine.async_engine import AsyncLLMEngine, RequestRejected
+from nanovllm.engine.async_engine import AsyncLLMEngine
+from nanovllm.engine.request_output import RequestRejected
 from nanovllm.engine.llm_engine import LLMEngine
 from nanovllm.entrypoints.openai.api_server import build_app
 from nanovllm.sampling_params import SamplingParams

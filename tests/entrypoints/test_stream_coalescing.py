@@ -1,7 +1,7 @@
 """Streaming merges the outputs that queued up while the client was being served."""
 import asyncio
 
-from nanovllm.engine.async_engine import CompletionOutput, RequestOutput
+from nanovllm.engine.request_output import CompletionOutput, RequestOutput
 from nanovllm.entrypoints.openai.serving import _Job
 
 

@@ -6,7 +6,7 @@ Names follow vLLM's (`vllm:` -> `nanovllm:`), so existing dashboards map over ea
 """
 import threading
 
-from nanovllm.engine.async_engine import EngineStats
+from nanovllm.engine.request_output import EngineStats
 
 _PREFIX = "nanovllm:"
 

@@ -13,7 +13,8 @@ import time
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from nanovllm.engine.async_engine import AsyncLLMEngine, CompletionOutput, RequestHandle, RequestRejected
+from nanovllm.engine.async_engine import AsyncLLMEngine, RequestHandle
+from nanovllm.engine.request_output import CompletionOutput, RequestRejected
 from nanovllm.entrypoints.openai.protocol import (
     APIError, ChatChoice, ChatCompletionChunk, ChatCompletionRequest, ChatCompletionResponse, ChatLogprobs,
     ChatResponseMessage, ChatStreamChoice, CompletionChoice, CompletionChunk, CompletionLogprobs,
