@@ -10,6 +10,9 @@ class RequestRejected(Exception):
         super().__init__(message)
         self.status = status
 
+    def __reduce__(self):  # keep the status across a process boundary
+        return type(self), (str(self), self.status)
+
 
 @dataclass
 class CompletionOutput:
@@ -42,9 +45,9 @@ class EngineStats:
     prefix_cache_queries: int = 0
     prefix_cache_hits: int = 0
     num_preemptions: int = 0
-    # Where the engine thread's time goes (wall seconds since start): stepping the engine, turning
-    # step results into per-request outputs, and steps taken. A step time far above the offline
-    # step time means the thread waits for the interpreter (the HTTP side holds it).
+    # Where the engine loop's time goes (wall seconds since start): steps taken, stepping the engine,
+    # turning step results into per-request outputs. A step time far above the offline step time
+    # means the loop waits for something else (e.g. the interpreter lock, on a thread).
     engine_steps: int = 0
     step_seconds: float = 0.0
     collect_seconds: float = 0.0

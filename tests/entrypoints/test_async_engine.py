@@ -1,6 +1,10 @@
-"""AsyncLLMEngine in-process: outputs reach asyncio consumers, the loop sleeps when idle, a failing
-step fails only its requests, and an engine that keeps failing reports itself unhealthy."""
+"""AsyncLLMEngine: outputs reach asyncio consumers, the loop sleeps when idle, a failing step fails
+only its requests, an engine that keeps failing reports itself unhealthy (core on a thread, where
+failures can be injected); in its own process: the same outputs, an idle process that sleeps, a
+killed process that fails its requests instead of leaving them hanging, startup errors raised."""
 import asyncio
+import os
+import signal
 import time
 
 import httpx
@@ -29,7 +33,7 @@ class FlakyEngine(LLMEngine):
 @pytest.fixture
 def engine(model_factory):
     config = Config(model_factory("qwen3"), device="cpu", dtype="float32", kv_cache_memory_bytes=16 << 20)
-    e = AsyncLLMEngine(config, max_waiting=8, engine_factory=FlakyEngine)
+    e = AsyncLLMEngine(config, max_waiting=8, engine_factory=FlakyEngine, separate_process=False)
     e.start()
     yield e
     e.shutdown()
@@ -102,3 +106,75 @@ def test_an_engine_that_keeps_failing_is_unhealthy(engine):
             assert r.status_code == 503 and "unavailable" in r.json()["error"]["message"]
     asyncio.run(main())
     assert not engine.healthy
+
+
+def failing_factory(config):
+    raise ValueError("cannot build this engine")
+
+
+def _cpu_seconds(pid: int) -> float:
+    fields = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime
+
+
+@pytest.fixture
+def process_engine(model_factory):
+    config = Config(model_factory("qwen3"), device="cpu", dtype="float32", kv_cache_memory_bytes=16 << 20)
+    e = AsyncLLMEngine(config, max_waiting=8)
+    e.start()
+    yield e
+    e.shutdown()
+
+
+def test_engine_process_outputs_equal_the_thread_engine(process_engine, engine):
+    async def main(e):
+        streamed = await _run(e, [1, 2, 3, 4], max_tokens=12, stream=True)
+        whole = await _run(e, [1, 2, 3, 4], max_tokens=12, stream=False)
+        return streamed, whole
+    streamed, whole = asyncio.run(main(process_engine))
+    _, reference = asyncio.run(main(engine))
+    ids = [t for out in streamed for o in out.outputs for t in o.token_ids]
+    assert ids == whole[-1].outputs[0].token_ids == reference[-1].outputs[0].token_ids
+    assert process_engine.engine is None and process_engine._process.is_alive()
+    # Idle: the engine process blocks on its pipe instead of spinning.
+    pid = process_engine._process.pid
+    cpu = _cpu_seconds(pid)
+    time.sleep(0.5)
+    assert _cpu_seconds(pid) - cpu < 0.1
+    assert process_engine.stats.num_running == 0 and process_engine.stats.kv_cache_usage == 0
+
+
+def test_engine_process_rejections_keep_their_status(process_engine):
+    async def main():
+        handle = process_engine.add_request([1, 10**6], SamplingParams(), True)
+        with pytest.raises(RequestRejected, match="outside the vocabulary") as e:
+            await handle.accepted
+        assert e.value.status == 400
+    asyncio.run(main())
+
+
+def test_killed_engine_process_fails_its_requests(process_engine):
+    async def main():
+        handle = process_engine.add_request([1, 2, 3], SamplingParams(max_tokens=100000, ignore_eos=True), True)
+        await handle.accepted
+        await handle.queue.get()  # generating
+        os.kill(process_engine._process.pid, signal.SIGKILL)
+        while True:
+            out = await asyncio.wait_for(handle.queue.get(), 10)
+            if out.finished:
+                break
+        assert out.error is not None and "exited unexpectedly" in str(out.error) and out.error.status == 500
+        late = process_engine.add_request([1, 2], SamplingParams(), True)
+        with pytest.raises(RequestRejected, match="unavailable") as e:
+            await late.accepted
+        assert e.value.status == 503
+    asyncio.run(main())
+    assert not process_engine.healthy
+
+
+def test_engine_process_startup_error_is_raised(model_factory):
+    config = Config(model_factory("qwen3"), device="cpu", dtype="float32", kv_cache_memory_bytes=16 << 20)
+    e = AsyncLLMEngine(config, engine_factory=failing_factory)
+    with pytest.raises(ValueError, match="cannot build this engine"):
+        e.start()
+    assert not e.healthy

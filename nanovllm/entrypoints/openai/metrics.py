@@ -59,7 +59,7 @@ class ServerMetrics:
         self.tpot = Histogram(TPOT_BUCKETS)
         self.e2e = Histogram(E2E_BUCKETS)
 
-    # ---- called on the engine thread ------------------------------------------------------
+    # ---- called off the event loop (engine thread, or engine process reader) -------------------
     def request_added(self, num_prompt_tokens: int):
         with self._lock:
             self.prompt_tokens += num_prompt_tokens
@@ -68,20 +68,20 @@ class ServerMetrics:
         with self._lock:
             self.generation_tokens += n
 
-    def sequence_finished(self, seq, now: float):
-        """One completion (a request with n > 1 has n) finished, stopped or was aborted."""
+    def sequence_finished(self, seq):
+        """One completion (a request with n > 1 has n) finished, stopped or was aborted
+        (an `engine_core.FinishedSequence`)."""
         reason = seq.finish_reason or "abort"
         first = seq.first_token_time
-        n = seq.num_completion_tokens - getattr(seq, "num_pending_tokens", 0)
         with self._lock:
             self.finished[reason] = self.finished.get(reason, 0) + 1
             if reason == "abort":
                 return  # a cancelled request's timings say nothing about the server
-            self.e2e.observe(now - seq.arrival_time)
+            self.e2e.observe(seq.time - seq.arrival_time)
             if first is not None:
                 self.ttft.observe(first - seq.arrival_time)
-                if n > 1:
-                    self.tpot.observe((now - first) / (n - 1))
+                if seq.num_tokens > 1:
+                    self.tpot.observe((seq.time - first) / (seq.num_tokens - 1))
 
     # ---- rendering (event loop) -----------------------------------------------------------
     def render(self, stats: EngineStats) -> str:
@@ -113,10 +113,10 @@ class ServerMetrics:
         metric("num_preemptions_total", "counter", "Sequences preempted (KV cache full) and recomputed later.",
                [sample("num_preemptions_total", stats.num_preemptions)])
         metric("engine_steps_total", "counter", "Engine steps taken.", [sample("engine_steps_total", stats.engine_steps)])
-        metric("engine_step_seconds_total", "counter", "Wall time of the engine thread inside engine steps.",
+        metric("engine_step_seconds_total", "counter", "Wall time of the engine loop inside engine steps.",
                [sample("engine_step_seconds_total", stats.step_seconds)])
         metric("engine_collect_seconds_total", "counter",
-               "Wall time of the engine thread turning step results into per-request outputs.",
+               "Wall time of the engine loop turning step results into per-request outputs.",
                [sample("engine_collect_seconds_total", stats.collect_seconds)])
         with self._lock:
             metric("prompt_tokens_total", "counter", "Prompt tokens of accepted requests.",
