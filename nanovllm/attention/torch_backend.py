@@ -45,25 +45,29 @@ class TorchAttentionBackend(AttentionBackend):
 
     @staticmethod
     def _decode(q, k_cache, v_cache, meta, scale):
-        # All decode rows at once, padded to the longest context: [B, H, 1|S, D].
+        # All decode rows at once, padded to the longest context. Keys are gathered by slot (not by
+        # whole block: a 256-token block of a short context is mostly unused), and the query heads
+        # of each KV head form the "query length" of one SDPA call: [B, Hkv, group, D], so GQA
+        # needs no copy of the keys per query head.
         nd = meta.num_decodes
         lens = meta.seq_lens[:nd]
         max_len = max(meta.seq_lens_host[:nd])
-        block_size = k_cache.shape[1]
+        num_kv_blocks, block_size, hkv, d = k_cache.shape
+        pos = torch.arange(max_len, device=q.device)
         tables = meta.block_tables[:nd, : -(-max_len // block_size)]
-        k = k_cache[tables].flatten(1, 2)[:, :max_len]  # [B, S, Hkv, D]
-        v = v_cache[tables].flatten(1, 2)[:, :max_len]
-        mask = torch.arange(max_len, device=q.device)[None, :] < lens[:, None]  # [B, S]
-        o = _sdpa(q.unsqueeze(2), k.transpose(1, 2), v.transpose(1, 2), mask[:, None, None, :], False, scale)
-        return o.squeeze(2)
+        slots = tables[:, pos // block_size].long() * block_size + pos % block_size  # [B, S]
+        k = k_cache.view(-1, hkv, d)[slots]  # [B, S, Hkv, D]
+        v = v_cache.view(-1, hkv, d)[slots]
+        mask = (pos[None, :] < lens[:, None])[:, None, None, :]  # [B, 1, 1, S]
+        qg = q.reshape(nd, hkv, -1, d)  # query head h belongs to KV head h // group
+        o = F.scaled_dot_product_attention(qg, k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask, scale=scale)
+        return o.reshape(q.shape)
 
 
 def _sdpa(q, k, v, mask, causal, scale):
-    if k.shape[-3] != q.shape[-3]:  # grouped-query attention: share each KV head
-        rep = q.shape[-3] // k.shape[-3]
-        k = k.repeat_interleave(rep, dim=-3)
-        v = v.repeat_interleave(rep, dim=-3)
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, scale=scale)
+    # Grouped-query attention: SDPA shares each KV head among its query heads (enable_gqa).
+    gqa = k.shape[-3] != q.shape[-3]
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, scale=scale, enable_gqa=gqa)
 
 
 def store_kv(k, v, k_cache, v_cache, slot_mapping):
