@@ -241,6 +241,7 @@ def paged_decode_attention(
     assert out.stride(-1) == 1
     if batch == 0:
         return out
+    assert batch <= 65535, "the batch is grid axis 1 (at most 65535 programs)"
 
     block_g, block_n, num_warps, num_stages = _config or _decode_config(head_dim, group)
     block_d = triton.next_power_of_2(head_dim)
