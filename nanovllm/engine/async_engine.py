@@ -291,19 +291,29 @@ def _deliver(items):
 
 
 class _PipeInbox:
-    """The core's inbox in the engine process: commands from the parent's writer thread."""
+    """The core's inbox in the engine process: commands from the parent's writer thread. Once the
+    parent is gone (EOF), `get` answers "stop" and `get_nowait` finds nothing more."""
 
     def __init__(self, conn):
         self.conn = conn
+        self.closed = False
 
     def get(self):
-        try:
-            return self.conn.recv()
-        except (EOFError, OSError):  # the parent is gone: stop
-            return ("stop", None)
+        if not self.closed:
+            try:
+                return self.conn.recv()
+            except (EOFError, OSError):
+                self.closed = True
+        return ("stop", None)
 
     def get_nowait(self):
-        if not self.conn.poll():
+        if self.closed:
+            raise queue.Empty
+        try:
+            ready = self.conn.poll()
+        except OSError:
+            ready = True  # get() meets the error and closes
+        if not ready:
             raise queue.Empty
         return self.get()
 
@@ -316,11 +326,14 @@ def _engine_process_main(conn, config: Config, engine_factory, log_level: int):
 
     def emit(events):
         try:
-            conn.send(events)
-        except (pickle.PicklingError, TypeError, AttributeError):
-            # An exception that does not pickle (startup errors can be anything): send its text.
-            conn.send([(e[0], RuntimeError(f"{type(e[1]).__name__}: {e[1]}"))
-                       if e[0] == "startup_error" else e for e in events])
+            try:
+                conn.send(events)
+            except (pickle.PicklingError, TypeError, AttributeError):
+                # An exception that does not pickle (startup errors can be anything): send its text.
+                conn.send([(e[0], RuntimeError(f"{type(e[1]).__name__}: {e[1]}"))
+                           if e[0] == "startup_error" else e for e in events])
+        except OSError:  # the parent is gone; the inbox reads EOF next and the loop stops
+            pass
 
     EngineCore(config, _PipeInbox(conn), emit, engine_factory).run()
     conn.close()

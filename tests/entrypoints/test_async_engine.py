@@ -178,3 +178,33 @@ def test_engine_process_startup_error_is_raised(model_factory):
     with pytest.raises(ValueError, match="cannot build this engine"):
         e.start()
     assert not e.healthy
+
+
+def test_engine_process_exits_when_its_parent_dies(model_factory):
+    """A server killed outright (no shutdown) does not leave its engine process behind."""
+    import subprocess
+    import sys
+    code = f"""
+import sys, time
+from nanovllm.config import Config
+from nanovllm.engine.async_engine import AsyncLLMEngine
+e = AsyncLLMEngine(Config({model_factory("qwen3")!r}, device="cpu", dtype="float32", kv_cache_memory_bytes=16 << 20))
+e.start()
+print(e._process.pid, flush=True)
+time.sleep(60)
+"""
+    parent = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    try:
+        child = int(parent.stdout.readline())
+        os.kill(parent.pid, signal.SIGKILL)
+        parent.wait(5)
+        deadline = time.monotonic() + 10
+        while os.path.exists(f"/proc/{child}") and time.monotonic() < deadline:
+            stat = open(f"/proc/{child}/stat").read().rsplit(")", 1)[1].split()
+            if stat[0] == "Z":
+                break
+            time.sleep(0.1)
+        alive = os.path.exists(f"/proc/{child}") and open(f"/proc/{child}/stat").read().rsplit(")", 1)[1].split()[0] != "Z"
+        assert not alive, "the engine process outlived its killed parent"
+    finally:
+        parent.kill()
