@@ -81,10 +81,10 @@ def splitk_linear(x: torch.Tensor, weight: torch.Tensor, config=None) -> SplitKO
     m, k = x.shape
     n = weight.shape[0]
     config = config or splitk_config(m, n, k)
-    if config is None:
+    if config is None or x.stride(-1) != 1 or weight.stride(-1) != 1:
         return None
     splits, bm, bn, bk, warps, stages = config
-    assert k % (splits * bk) == 0 and x.stride(-1) == 1 and weight.stride(-1) == 1
+    assert k % (splits * bk) == 0, (k, config)
     parts = torch.empty(splits, m, n, dtype=torch.float32, device=x.device)
     _splitk_kernel[(triton.cdiv(n, bn), triton.cdiv(m, bm), splits)](
         x, weight, parts, m, n, x.stride(0), weight.stride(0),
