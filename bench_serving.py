@@ -82,10 +82,15 @@ async def one_request(client: httpx.AsyncClient, args, model: str, prompt: list[
     return result
 
 
-async def run(args) -> tuple[list[Result], float, str]:
+def _client(args) -> httpx.AsyncClient:
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
-    async with httpx.AsyncClient(base_url=args.base_url, headers=headers, timeout=None, limits=limits) as client:
+    return httpx.AsyncClient(base_url=args.base_url, headers=headers, timeout=None, limits=limits)
+
+
+async def prepare(args) -> tuple[str, list[tuple[list[int], int]]]:
+    """The served model's name and the request list (seeded), after the untimed warm-up."""
+    async with _client(args) as client:
         card = (await client.get("/v1/models")).raise_for_status().json()["data"][0]
         model = args.model or card["id"]
         vocab = args.vocab_size or card.get("vocab_size") or 1000
@@ -94,7 +99,17 @@ async def run(args) -> tuple[list[Result], float, str]:
         lo_id, hi_id = min(100, vocab // 4), vocab
         requests = [([rng.randrange(lo_id, hi_id) for _ in range(rng.randint(*args.input_len))],
                      rng.randint(*args.output_len)) for _ in range(args.num_prompts)]
-        gate = asyncio.Semaphore(args.concurrency) if args.concurrency else None
+        if args.warmup:
+            await one_request(client, args, model, requests[0][0], 4)
+    return model, requests
+
+
+async def drive(args, model: str, requests, concurrency: int | None, rate: float, seed: int):
+    """Send the requests; returns (results, start, end) in time.perf_counter() (CLOCK_MONOTONIC on
+    Linux: comparable across the client processes of one machine)."""
+    rng = random.Random(seed)
+    async with _client(args) as client:
+        gate = asyncio.Semaphore(concurrency) if concurrency else None
 
         async def limited(prompt, output_len):
             if gate is None:
@@ -102,16 +117,39 @@ async def run(args) -> tuple[list[Result], float, str]:
             async with gate:
                 return await one_request(client, args, model, prompt, output_len)
 
-        if args.warmup:
-            await one_request(client, args, model, requests[0][0], 4)
         start = time.perf_counter()
         tasks = []
         for prompt, output_len in requests:
             tasks.append(asyncio.create_task(limited(prompt, output_len)))
-            if args.request_rate != float("inf"):
-                await asyncio.sleep(rng.expovariate(args.request_rate))  # Poisson arrivals
+            if rate != float("inf"):
+                await asyncio.sleep(rng.expovariate(rate))  # Poisson arrivals
         results = await asyncio.gather(*tasks)
-        return results, time.perf_counter() - start, model
+        return results, start, time.perf_counter()
+
+
+def _drive_shard(job):
+    args, model, requests, concurrency, rate, seed = job
+    return asyncio.run(drive(args, model, requests, concurrency, rate, seed))
+
+
+def run(args) -> tuple[list[Result], float, str]:
+    """With --processes N the requests are dealt round-robin to N client processes, each with
+    1/N of the concurrency and of the request rate (a Poisson process split N ways is N Poisson
+    processes): one Python client cannot parse hundreds of streams as fast as a GPU serves them."""
+    model, requests = asyncio.run(prepare(args))
+    n = min(args.processes, len(requests))
+    if n == 1:
+        results, start, end = asyncio.run(drive(args, model, requests, args.concurrency, args.request_rate, args.seed))
+        return results, end - start, model
+    import multiprocessing
+    concurrency = -(-args.concurrency // n) if args.concurrency else None
+    jobs = [(args, model, requests[i::n], concurrency, args.request_rate / n, args.seed + i) for i in range(n)]
+    with multiprocessing.get_context("spawn").Pool(n) as pool:
+        shards = pool.map(_drive_shard, jobs)
+    results: list[Result] = [None] * len(requests)
+    for i, (shard, _, _) in enumerate(shards):
+        results[i::n] = shard
+    return results, max(end for _, _, end in shards) - min(start for _, start, _ in shards), model
 
 
 def percentiles(values: list[float]) -> dict[str, float]:
@@ -134,7 +172,8 @@ def report(args, results: list[Result], duration: float, model: str) -> dict:
     input_tokens = sum(r.prompt_len for r in ok)
     summary = {
         "model": model, "num_prompts": len(results), "successful": len(ok), "failed": len(failed),
-        "request_rate": args.request_rate, "concurrency": args.concurrency, "duration_s": duration,
+        "request_rate": args.request_rate, "concurrency": args.concurrency, "client_processes": args.processes,
+        "duration_s": duration,
         "input_tokens": input_tokens, "output_tokens": output_tokens,
         "request_throughput": len(ok) / duration, "output_throughput": output_tokens / duration,
         "total_token_throughput": (input_tokens + output_tokens) / duration,
@@ -185,10 +224,12 @@ def main(argv=None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-warmup", dest="warmup", action="store_false", help="skip the untimed warm-up request")
     p.add_argument("--json-out", default=None, help="also write the summary here as JSON")
+    p.add_argument("--processes", type=int, default=1, help="client processes sharing the requests (default 1)")
     args = p.parse_args(argv)
-    if args.num_prompts < 1 or (args.concurrency is not None and args.concurrency < 1) or args.request_rate <= 0:
-        p.error("--num-prompts and --concurrency must be >= 1, --request-rate > 0")
-    results, duration, model = asyncio.run(run(args))
+    if (args.num_prompts < 1 or (args.concurrency is not None and args.concurrency < 1) or args.request_rate <= 0
+            or args.processes < 1):
+        p.error("--num-prompts, --concurrency and --processes must be >= 1, --request-rate > 0")
+    results, duration, model = run(args)
     summary = report(args, results, duration, model)
     if args.json_out:
         with open(args.json_out, "w") as f:

@@ -1,0 +1,36 @@
+"""bench_serving.py against a real server: one client process and several give the same counts."""
+import json
+import sys
+
+from openai_server_utils import REPO
+
+sys.path.insert(0, REPO)
+import bench_serving  # noqa: E402
+
+
+def test_bench_serving_one_and_several_client_processes(tiny_server, tmp_path):
+    summaries = []
+    for processes in (1, 2):
+        out = tmp_path / f"summary{processes}.json"
+        rc = bench_serving.main(["--base-url", tiny_server.url, "--num-prompts", "6", "--concurrency", "4",
+                                 "--input-len", "4:12", "--output-len", "5", "--processes", str(processes),
+                                 "--json-out", str(out)])
+        assert rc == 0
+        summaries.append(json.loads(out.read_text()))
+    for s in summaries:
+        assert s["successful"] == 6 and s["failed"] == 0 and s["output_tokens"] == 30
+        assert s["duration_s"] > 0 and s["ttft_ms"]["p50"] > 0 and s["tpot_ms"]["p50"] > 0
+    # The same seeded prompts whatever the number of client processes.
+    assert summaries[0]["input_tokens"] == summaries[1]["input_tokens"]
+    assert summaries[1]["client_processes"] == 2
+
+
+def test_bench_serving_rejects_bad_arguments(capsys):
+    for bad in (["--processes", "0"], ["--num-prompts", "0"], ["--request-rate", "0"]):
+        try:
+            bench_serving.main(bad)
+        except SystemExit as e:
+            assert e.code == 2
+        else:
+            raise AssertionError(f"{bad} was accepted")
+    assert "must be >= 1" in capsys.readouterr().err
