@@ -70,7 +70,10 @@ def test_stream_outputs_and_idle_sleep(engine):
     assert engine.stats.num_running == engine.stats.num_waiting == 0 and engine.stats.kv_cache_usage == 0
 
 
-def test_validation_errors_are_rejections(engine):
+@pytest.mark.parametrize("mode", ["engine", "process_engine"])
+def test_validation_errors_are_rejections_with_their_status(mode, request):
+    engine = request.getfixturevalue(mode)  # on a thread, in its own process (status pickled)
+
     async def main():
         handle = engine.add_request([1, 10**6], SamplingParams(), True)
         with pytest.raises(RequestRejected, match="outside the vocabulary") as e:
@@ -142,15 +145,6 @@ def test_engine_process_outputs_equal_the_thread_engine(process_engine, engine):
     time.sleep(0.5)
     assert _cpu_seconds(pid) - cpu < 0.1
     assert process_engine.stats.num_running == 0 and process_engine.stats.kv_cache_usage == 0
-
-
-def test_engine_process_rejections_keep_their_status(process_engine):
-    async def main():
-        handle = process_engine.add_request([1, 10**6], SamplingParams(), True)
-        with pytest.raises(RequestRejected, match="outside the vocabulary") as e:
-            await handle.accepted
-        assert e.value.status == 400
-    asyncio.run(main())
 
 
 def test_killed_engine_process_fails_its_requests(process_engine):
