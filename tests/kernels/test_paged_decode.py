@@ -1,16 +1,9 @@
 import pytest
 import torch
 
+from attention_dtypes import DTYPES, ON_GPU, TOL
 from nanovllm.kernels import alloc_decode_workspace, choose_num_splits, paged_decode_attention
 from nanovllm.kernels import reference as ref
-
-ON_GPU = torch.cuda.is_available()  # conftest.py selects the Triton interpreter otherwise
-if ON_GPU:
-    DTYPES = [torch.bfloat16, torch.float16]
-    TOL = {torch.bfloat16: 2e-2, torch.float16: 1e-2, torch.float32: 1e-4}
-else:  # bf16 tl.dot is wrong under TRITON_INTERPRET=1: never tested there
-    DTYPES = [torch.float32, torch.float16]
-    TOL = {torch.float16: 1e-2, torch.float32: 1e-4}
 
 
 def _run_case(seq_lens, num_q_heads, num_kv_heads, head_dim, block_size, dtype, device, gen,

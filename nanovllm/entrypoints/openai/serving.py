@@ -51,12 +51,9 @@ class OpenAIServing:
                   for ids in prompts]
         handles, out_queue = await self._submit(prompts, params, req.stream, "prompt")
         job = _Job(random_id("cmpl"), self._model_name(req), req.n, handles, prompts)
-        if req.stream:
-            include_usage = bool(req.stream_options and req.stream_options.include_usage)
-            return _sse(self._completion_chunks(job, out_queue, include_usage), handles)
-        finals = await _collect(handles, out_queue, raw)
-        if finals is None:
-            return Response(status_code=499)
+        finals = await _stream_or_collect(req, job, handles, out_queue, raw, self._completion_chunks)
+        if isinstance(finals, Response):
+            return finals
         choices = []
         for output, base in job.completions(finals):
             logprobs = self._completion_logprobs(output.logprobs, 0) if output.logprobs is not None else None
@@ -82,12 +79,9 @@ class OpenAIServing:
         params = [self._params(req, ids, max_tokens, logprobs, "messages")]
         handles, out_queue = await self._submit([ids], params, req.stream, "messages")
         job = _Job(random_id("chatcmpl"), self._model_name(req), req.n, handles, [ids])
-        if req.stream:
-            include_usage = bool(req.stream_options and req.stream_options.include_usage)
-            return _sse(self._chat_chunks(job, out_queue, include_usage), handles)
-        finals = await _collect(handles, out_queue, raw)
-        if finals is None:
-            return Response(status_code=499)
+        finals = await _stream_or_collect(req, job, handles, out_queue, raw, self._chat_chunks)
+        if isinstance(finals, Response):
+            return finals
         choices = [ChatChoice(index=output.index, message=ChatResponseMessage(content=output.text),
                               logprobs=self._chat_logprobs(output.logprobs), finish_reason=output.finish_reason,
                               stop_reason=output.stop_reason)
@@ -299,6 +293,17 @@ class _Job:
         return Usage(prompt_tokens=self.num_prompt_tokens, completion_tokens=completion,
                      total_tokens=self.num_prompt_tokens + completion,
                      prompt_tokens_details=PromptTokensDetails(cached_tokens=cached))
+
+
+async def _stream_or_collect(req, job: "_Job", handles: list[RequestHandle], out_queue: asyncio.Queue,
+                             raw: Request, chunks):
+    """A streaming request's SSE response (chunks: the endpoint's chunk generator); otherwise
+    the final outputs, or a 499 response when the client went away first."""
+    if req.stream:
+        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        return _sse(chunks(job, out_queue, include_usage), handles)
+    finals = await _collect(handles, out_queue, raw)
+    return Response(status_code=499) if finals is None else finals
 
 
 def _merge(a: CompletionOutput, b: CompletionOutput) -> CompletionOutput:
