@@ -137,6 +137,25 @@ def minimal_sample(logits, meta):
     return SamplerOutput(tokens)
 
 
+def profile_run(llm, prompts, params, top: int = 25):
+    """One generate under the CUDA profiler: how much of the wall time the device spends in kernels
+    (the rest is the host not keeping up) and which kernels take it."""
+    from torch.profiler import ProfilerActivity, profile
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        start = time.perf_counter()
+        llm.generate(prompts, params, use_tqdm=False)
+        torch.cuda.synchronize()
+        wall = time.perf_counter() - start
+    from torch.autograd import DeviceType
+    rows = [(e.key, e.count, e.self_device_time_total) for e in prof.key_averages()
+            if e.device_type == DeviceType.CUDA and e.self_device_time_total > 0]  # kernels, copies, memsets
+    busy = sum(r[2] for r in rows) / 1e6
+    print(f"profile: wall {wall:.3f}s (under the profiler), device busy {busy:.3f}s, idle {wall - busy:.3f}s")
+    for name, count, us in sorted(rows, key=lambda r: -r[2])[:top]:
+        print(f"  {us / 1e6:8.3f}s {100 * us / 1e6 / wall:5.1f}% {count:8d}x {us / count:9.1f}us  {name[:90]}")
+
+
 def model_dir(args) -> tuple[str, dict, str]:
     if args.model:
         with open(os.path.join(args.model, "config.json")) as f:
@@ -167,6 +186,9 @@ def main():
     ap.add_argument("--no-split-k", action="store_true", help="decode projections on cuBLAS only (A/B of split-K)")
     ap.add_argument("--log-compiles", action="store_true",
                     help="print every Triton kernel variant compiled after start-up (with its specialisation)")
+    ap.add_argument("--profile", action="store_true",
+                    help="after the timed runs, profile one run of the same shape (other prompt tokens, so no "
+                         "prefix-cache hits): device busy vs idle time and the kernels that take it")
     ap.add_argument("--sampler-ab", type=int, default=0, metavar="N",
                     help="after the timed runs, N alternating runs with our sampler and nano-vllm's minimal one")
     args = ap.parse_args()
@@ -250,6 +272,8 @@ def main():
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=1)
+    if args.profile and device.type == "cuda":
+        profile_run(llm, [[(t + 1) % 10000 for t in p] for p in prompts], params)
     llm.shutdown()
 
 

@@ -11,6 +11,7 @@ import tempfile
 import time
 
 import torch
+from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
@@ -21,7 +22,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--batch", type=int, nargs="+", default=[256, 1])
+    ap.add_argument("--batch", type=int, nargs="+", default=[256, 128, 32, 8, 1])
     ap.add_argument("--config", default=os.path.join(HERE, "..", "benchmarks/configs/qwen3-0.6b.json"))
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--temperature", type=float, default=0.6)
@@ -50,7 +51,10 @@ def main():
             for _ in range(10):
                 engine.step()
             torch.cuda.synchronize()
-        print(f"\n===== batch {batch}: {per_step * 1e3:.2f} ms/step wall ({batch / per_step:,.0f} tok/s)")
+        busy = sum(e.self_device_time_total for e in prof.key_averages()
+                   if e.device_type == DeviceType.CUDA) / 10 / 1e3
+        print(f"\n===== batch {batch}: {per_step * 1e3:.2f} ms/step wall ({batch / per_step:,.0f} tok/s), "
+              f"device busy {busy:.2f} ms/step under the profiler")
         print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=25, max_name_column_width=60))
         print(prof.key_averages().table(sort_by="cpu_time_total", row_limit=15, max_name_column_width=60))
         for i in range(batch):
