@@ -26,15 +26,27 @@ def _mix32(x):
     return x ^ (x >> 16)
 
 
+@triton.jit
+def _row_key(seed, offset):
+    # `nanovllm.layers.sampler.row_keys` for one row: int64 seed and output offset -> uint32 key.
+    lo = (seed & 0xFFFFFFFF).to(tl.uint32)
+    hi = ((seed >> 32) & 0xFFFFFFFF).to(tl.uint32)
+    return _mix32(lo ^ _mix32(hi ^ (offset.to(tl.uint32) * 0x9E3779B9)))
+
+
 @triton.jit(do_not_specialize=["chunk", "num_splits"])  # batch-dependent: one variant
-def _sample_split_kernel(logits_ptr, stride_row, temps_ptr, row_keys_ptr, part_score_ptr, part_idx_ptr,
-                         vocab_size, chunk, num_splits, BLOCK: tl.constexpr):
+def _sample_split_kernel(logits_ptr, stride_row, temps_ptr, row_keys_ptr, seeds_ptr, offsets_ptr,
+                         part_score_ptr, part_idx_ptr, vocab_size, chunk, num_splits,
+                         BLOCK: tl.constexpr, SEEDED: tl.constexpr):
     row = tl.program_id(0)
     split = tl.program_id(1)
     temp = tl.load(temps_ptr + row)
     greedy = temp <= 0.0
     inv_t = 1.0 / tl.where(greedy, 1.0, temp)
-    key = tl.load(row_keys_ptr + row).to(tl.uint32)
+    if SEEDED:  # keys from (seed, offset) here rather than in a host or device pass of their own
+        key = _row_key(tl.load(seeds_ptr + row), tl.load(offsets_ptr + row))
+    else:
+        key = tl.load(row_keys_ptr + row).to(tl.uint32)
     salt = key >> 7
     best = tl.full([BLOCK], float("-inf"), tl.float32)
     best_idx = tl.full([BLOCK], 0, tl.int32)
@@ -80,11 +92,15 @@ def _num_splits(batch: int, vocab_size: int, device: torch.device, block: int) -
     return max(1, min(triton.cdiv(4 * _device_sms(device), batch), triton.cdiv(vocab_size, 4 * block), _MAX_SPLITS))
 
 
-def sample_rows(logits: torch.Tensor, temperatures: torch.Tensor, row_keys: torch.Tensor,
-                out: torch.Tensor | None = None) -> torch.Tensor:
+def sample_rows(logits: torch.Tensor, temperatures: torch.Tensor, row_keys: torch.Tensor | None,
+                out: torch.Tensor | None = None, seeds: torch.Tensor | None = None,
+                offsets: torch.Tensor | None = None) -> torch.Tensor:
     """logits [B, V] (any float dtype, unit stride on V); temperatures [B] float32 (0: greedy);
-    row_keys [B] int64 from `nanovllm.layers.sampler.row_keys`. Returns [B] int64 token ids."""
+    row_keys [B] int64 from `nanovllm.layers.sampler.row_keys`, or None with seeds and offsets
+    [B] int64 to derive them in the kernel (same keys). Returns [B] int64 token ids."""
     batch, vocab_size = logits.shape
+    seeded = row_keys is None
+    assert not seeded or (seeds is not None and offsets is not None)
     assert logits.stride(-1) == 1
     if out is None:
         out = torch.empty(batch, dtype=torch.int64, device=logits.device)
@@ -96,8 +112,32 @@ def sample_rows(logits: torch.Tensor, temperatures: torch.Tensor, row_keys: torc
     splits = triton.cdiv(vocab_size, chunk)
     part_score = torch.empty(batch, splits, dtype=torch.float32, device=logits.device)
     part_idx = torch.empty(batch, splits, dtype=torch.int32, device=logits.device)
-    _sample_split_kernel[(batch, splits)](logits, logits.stride(0), temperatures, row_keys, part_score, part_idx,
-                                          vocab_size, chunk, splits, BLOCK=block, num_warps=4)
+    keys = seeds if seeded else row_keys  # a valid pointer for the argument the variant ignores
+    _sample_split_kernel[(batch, splits)](logits, logits.stride(0), temperatures, keys,
+                                          seeds if seeded else keys, offsets if seeded else keys,
+                                          part_score, part_idx, vocab_size, chunk, splits,
+                                          BLOCK=block, SEEDED=seeded, num_warps=4)
     _sample_merge_kernel[(batch,)](part_score, part_idx, out, splits, vocab_size,
                                    BLOCK_S=_MAX_SPLITS, num_warps=1)  # one variant for every batch size
     return out
+
+
+@triton.jit
+def _resolve_input_ids_kernel(ids_ptr, prev_rows_ptr, sampled_ptr, n, BLOCK: tl.constexpr):
+    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = i < n
+    prev = tl.load(prev_rows_ptr + i, mask=mask, other=-1)
+    from_device = mask & (prev >= 0)
+    token = tl.load(sampled_ptr + tl.where(from_device, prev, 0), mask=from_device, other=0)
+    tl.store(ids_ptr + i, token, mask=from_device)
+
+
+def resolve_input_ids(input_ids: torch.Tensor, prev_rows: torch.Tensor, sampled: torch.Tensor) -> torch.Tensor:
+    """In place: input_ids[i] = sampled[prev_rows[i]] where prev_rows[i] >= 0. A decode step's
+    input is often the token its sequence drew in the previous step, which the host has not read
+    yet (the steps overlap): it is taken from the device, inside the CUDA graph. All int64."""
+    n = input_ids.numel()
+    if n:
+        block = min(1024, triton.next_power_of_2(n))
+        _resolve_input_ids_kernel[(triton.cdiv(n, block),)](input_ids, prev_rows, sampled, n, BLOCK=block)
+    return input_ids

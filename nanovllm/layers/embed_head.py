@@ -31,8 +31,12 @@ class VocabParallelEmbedding(nn.Module):
 
 
 class ParallelLMHead(VocabParallelEmbedding):
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+    def forward(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """out: [T, vocab_size] buffer to write the logits into (a CUDA graph's static output)."""
+        if out is not None and tp_size() == 1:
+            return torch.mm(hidden, self.weight.t(), out=out)
         logits = F.linear(hidden, self.weight)
         if tp_size() > 1:
             logits = all_gather_last_dim(logits)
-        return logits[..., :self.vocab_size]
+        logits = logits[..., :self.vocab_size]
+        return logits if out is None else out.copy_(logits)

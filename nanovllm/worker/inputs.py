@@ -11,6 +11,7 @@ import torch
 
 from nanovllm.attention.base import AttentionMetadata
 from nanovllm.engine.scheduler import ScheduledBatch
+from nanovllm.engine.sequence import Sequence
 
 
 @dataclass
@@ -86,6 +87,58 @@ def build_host_inputs(batch: ScheduledBatch, block_size: int,
                      if pending.size else None),
         decode_order=np.argsort(-seq_lens[:nd], kind="stable").astype(np.int32) if nd else None,
     )
+
+
+_U64 = (1 << 64) - 1
+
+
+def fill_decode_inputs(views: dict[str, np.ndarray], seqs: list[Sequence], padded: int, block_size: int,
+                       last_row_of_seq: dict[int, int]):
+    """A pure decode step's inputs, written straight into the CUDA graphs' packed host buffer
+    (`cuda_graph.PackedInputs`): model inputs and the default sampler's per-row parameters, with
+    rows n..padded as padding the kernels skip. The step's hot host path: a few passes over the
+    sequences and vectorised numpy, no per-step allocations on the device."""
+    n = len(seqs)
+    pos = views["positions"]
+    pos[:n] = np.fromiter((s.num_computed_tokens for s in seqs), np.int64, n)
+    ids = views["input_ids"]
+    ids[:n] = np.fromiter((s.token_ids[s.num_computed_tokens] for s in seqs), np.int64, n)
+    prev = views["prev_rows"]
+    prev[:padded] = -1
+    pending = np.flatnonzero(ids[:n] < 0)  # drawn by the previous step: read on the device
+    if pending.size:
+        prev[pending] = np.fromiter((last_row_of_seq[seqs[i].seq_id] for i in pending.tolist()), np.int64,
+                                    pending.size)
+        ids[pending] = 0
+    seq_lens = views["seq_lens"]
+    seq_lens[:n] = pos[:n] + 1
+    seq_lens[n:padded] = 0
+
+    tables = [s.block_table for s in seqs]
+    table_lens = np.fromiter(map(len, tables), np.int64, n)
+    flat = np.fromiter(chain.from_iterable(tables), np.int32, int(table_lens.sum()))
+    row_starts = np.cumsum(table_lens) - table_lens
+    rows = np.repeat(np.arange(n), table_lens)
+    block_tables = views["block_tables"]
+    block_tables[rows, np.arange(flat.size) - row_starts[rows]] = flat
+    slots = views["slot_mapping"]
+    slots[:n] = block_tables[np.arange(n), pos[:n] // block_size].astype(np.int64) * block_size + pos[:n] % block_size
+    slots[n:padded] = -1
+    pos[n:padded] = 0
+    ids[n:padded] = 0
+
+    order = views["decode_order"]
+    order[:n] = np.argsort(-seq_lens[:n], kind="stable")  # longest context first
+    order[n:padded] = np.arange(n, padded)
+
+    temps = views["temperatures"]
+    temps[:n] = np.fromiter((s.sampling_params.temperature for s in seqs), np.float32, n)
+    temps[:n][temps[:n] < 1e-5] = 0.0  # greedy, as in build_sampling_metadata
+    temps[n:padded] = 0.0
+    views["seeds"][:n] = np.fromiter((s.seed & _U64 for s in seqs), np.uint64, n).view(np.int64)
+    views["offsets"][:n] = np.fromiter((len(s.token_ids) - s.num_prompt_tokens for s in seqs), np.int64, n)
+    views["seeds"][n:padded] = 0
+    views["offsets"][n:padded] = 0
 
 
 def _to_device(array: np.ndarray, device: torch.device) -> torch.Tensor:

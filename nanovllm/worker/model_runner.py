@@ -1,6 +1,8 @@
 """Owns the model, its paged KV cache, the sampler and the CUDA graphs on one device (one
 tensor-parallel rank). `execute` launches a step and returns at once; the sampled tokens are
 fetched later, so on a GPU the host prepares the next step while this one runs."""
+from operator import attrgetter
+
 import torch
 
 from nanovllm.attention.base import get_attention_backend
@@ -10,22 +12,28 @@ from nanovllm.engine.scheduler import ScheduledBatch
 from nanovllm.engine.sequence import Sequence
 from nanovllm.layers.sampler import LogprobsLists, Sampler, SamplerOutput
 from nanovllm.models.loader import build_model, init_dummy_weights, load_weights
-from nanovllm.worker.inputs import HostInputs, HostToDevice, build_host_inputs, to_device
+from nanovllm.worker.inputs import HostInputs, HostToDevice, build_host_inputs, fill_decode_inputs, to_device
 from nanovllm.worker.sampling_inputs import build_sampling_metadata
 
 _CPU_DEFAULT_KV_BYTES = 512 << 20
+_seq_id = attrgetter("seq_id")
+_plain_sampling = attrgetter("plain_sampling")
 
 
 class StepOutput:
     """What one step sampled, still on the device until `token_ids()` is called."""
 
-    def __init__(self, seqs: list[Sequence], sampled: SamplerOutput | None):
+    def __init__(self, seqs: list[Sequence], sampled: SamplerOutput | None, host: SamplerOutput | None = None,
+                 event=None):
+        """Either `sampled` (copied to fresh pinned memory here), or `host` copies already queued
+        with the `event` recorded after them."""
         self.seqs = seqs
-        self._host = None if sampled is None else sampled.to_host()  # queued copies on a GPU
-        self._event = None
-        if sampled is not None and sampled.token_ids.is_cuda:
-            self._event = torch.cuda.Event()
-            self._event.record()
+        self._host, self._event = host, event
+        if sampled is not None:
+            self._host = sampled.to_host()  # queued copies on a GPU
+            if sampled.token_ids.is_cuda:
+                self._event = torch.cuda.Event()
+                self._event.record()
 
     def token_ids(self) -> list[int]:
         if self._host is None:
@@ -37,6 +45,24 @@ class StepOutput:
     def logprobs(self) -> LogprobsLists | None:
         """Per-row logprobs (after token_ids()), or None when no sequence of the step asked."""
         return None if self._host is None else self._host.logprobs_lists()
+
+
+class PinnedTokenRing:
+    """Pinned host buffers (with their events) that sampled token ids are copied into, reused in
+    rotation: the engine reads a step's tokens one step later, long before a buffer comes round."""
+
+    def __init__(self, max_rows: int, size: int = 4):
+        self._buffers = [torch.zeros(max_rows, dtype=torch.int64, pin_memory=True) for _ in range(size)]
+        self._events = [torch.cuda.Event() for _ in range(size)]
+        self._next = 0
+
+    def copy(self, seqs: list[Sequence], tokens: torch.Tensor) -> StepOutput:
+        i = self._next
+        self._next = (i + 1) % len(self._buffers)
+        host = self._buffers[i][:tokens.shape[0]]
+        host.copy_(tokens, non_blocking=True)
+        self._events[i].record()
+        return StepOutput(seqs, None, SamplerOutput(host), self._events[i])
 
 
 class ModelRunner:
@@ -74,10 +100,12 @@ class ModelRunner:
             self._compile_kernels()
         if self.device.type == "cuda" and not config.enforce_eager and self.backend.supports_cuda_graphs:
             from nanovllm.worker.cuda_graph import CUDAGraphRunner
+            # Rank 0 of a tensor-parallel group samples outside the graphs (its workers never sample).
             self.graph_runner = CUDAGraphRunner(self.model, config.max_num_seqs, self.max_blocks_per_seq,
-                                                config.hf_config.hidden_size, config.torch_dtype, self.device,
-                                                config.max_model_len)
+                                                config.hf_config.vocab_size, config.torch_dtype, self.device,
+                                                config.max_model_len, capture_sampler=config.tensor_parallel_size == 1)
             self.graph_runner.capture()
+            self._token_ring = PinnedTokenRing(config.max_num_seqs)
 
     # ---- KV cache -----------------------------------------------------------------------
     @property
@@ -157,6 +185,9 @@ class ModelRunner:
     # ---- one step -----------------------------------------------------------------------
     @torch.inference_mode()
     def execute(self, batch: ScheduledBatch) -> StepOutput:
+        g = self.graph_runner
+        if g is not None and g.capture_sampler and g.can_run(len(batch.seqs), batch.num_decodes):
+            return self._execute_graphed_decode(batch.seqs)
         host = build_host_inputs(batch, self.block_size, self._last_row_of_seq)
         seqs = [batch.seqs[i] for i in host.sample_rows]
         return self.run(host, seqs)
@@ -169,21 +200,44 @@ class ModelRunner:
         if fb.pending_dst is not None:
             fb.input_ids[fb.pending_dst] = self._last_sampled[fb.pending_src]
         if self.graph_runner is not None and self.graph_runner.can_run(fb.attn.num_seqs, fb.attn.num_decodes):
-            hidden = self.graph_runner.run(fb.input_ids, fb.positions, fb.attn)
+            logits = self.graph_runner.run(fb.input_ids, fb.positions, fb.attn)  # every decode row samples
         else:
             hidden = self.model(fb.input_ids, fb.positions, fb.attn)
-        if not fb.sample_rows:
-            return StepOutput([], None)
-        logits = self.model.compute_logits(hidden[fb.logits_indices])
+            if not fb.sample_rows:
+                return StepOutput([], None)
+            logits = self.model.compute_logits(hidden[fb.logits_indices])
         if sample_seqs is None:
             return StepOutput([], None)
-        meta = build_sampling_metadata(sample_seqs, self.device, self.eos_token_ids,
+        return self._sample(sample_seqs, logits)
+
+    def _sample(self, seqs: list[Sequence], logits: torch.Tensor) -> StepOutput:
+        """The eager sampler (any parameters) on this step's logits."""
+        meta = build_sampling_metadata(seqs, self.device, self.eos_token_ids,
                                        self.config.hf_config.vocab_size, self._last_sampled, self._last_row_of_seq,
                                        stage=self.stage)
         sampled = self.sampler.sample(logits, meta)
-        self._last_sampled = sampled.token_ids
-        self._last_row_of_seq = {seq.seq_id: row for row, seq in enumerate(sample_seqs)}
-        return StepOutput(sample_seqs, sampled)
+        if self.graph_runner is not None:
+            # Where the graphs look for the previous step's tokens (prev_rows index this buffer).
+            sampled.token_ids = self.graph_runner.sampled[:len(seqs)].copy_(sampled.token_ids)
+        self._last_sampled = sampled.token_ids if self.graph_runner is None else self.graph_runner.sampled
+        self._last_row_of_seq = dict(zip(map(_seq_id, seqs), range(len(seqs))))
+        return StepOutput(seqs, sampled)
+
+    def _execute_graphed_decode(self, seqs: list[Sequence]) -> StepOutput:
+        """A pure decode step on one device: inputs filled into the graphs' pinned buffer and sent
+        in one copy, then the forward graph and (for plain sampling) the sampling graph."""
+        g = self.graph_runner
+        n = len(seqs)
+        bs = g.padded_size(n)
+        fill_decode_inputs(g.inputs.host(), seqs, bs, self.block_size, self._last_row_of_seq)
+        g.send_inputs(bs)
+        plain = all(map(_plain_sampling, seqs))
+        g.replay(bs, sample=plain)
+        if not plain:
+            return self._sample(seqs, g.logits[:n])
+        self._last_sampled = g.sampled
+        self._last_row_of_seq = dict(zip(map(_seq_id, seqs), range(n)))
+        return self._token_ring.copy(seqs, g.sampled[:n])
 
     def shutdown(self):
         """Release the device memory this runner holds (the model, the cache, the graphs)."""

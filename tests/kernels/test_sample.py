@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from nanovllm.kernels.sample import sample_rows
+from nanovllm.kernels.sample import resolve_input_ids, sample_rows
 from nanovllm.layers.sampler import exponential_noise, row_keys
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -39,3 +39,28 @@ def test_ties_take_the_lowest_index_and_masked_tokens_never_win():
     keys = row_keys(torch.tensor([1, 2]), torch.tensor([0, 0]))
     out = sample_rows(logits.to(DEVICE), temps.to(DEVICE), keys.to(DEVICE)).cpu()
     assert out.tolist() == [5, 2999]
+
+
+def test_keys_derived_in_the_kernel_equal_row_keys():
+    """The CUDA-graph path passes seeds and offsets; the kernel must derive the same keys,
+    including seeds that are the int64 view of a uint64 >= 2^63 and offsets past 2^32."""
+    g = torch.Generator().manual_seed(7)
+    batch, vocab = 24, 2048
+    logits = (torch.randn(batch, vocab, generator=g) * 3).to(torch.float16)
+    temps = torch.rand(batch, generator=g) + 0.3
+    seeds = torch.randint(-2**63, 2**63 - 1, (batch,), generator=g)
+    offsets = torch.randint(0, 2**40, (batch,), generator=g)
+    offsets[:4] = torch.tensor([0, 1, 2**32 - 1, 2**32])
+    keyed = sample_rows(logits.to(DEVICE), temps.to(DEVICE), row_keys(seeds, offsets).to(DEVICE)).cpu()
+    seeded = sample_rows(logits.to(DEVICE), temps.to(DEVICE), None, seeds=seeds.to(DEVICE),
+                         offsets=offsets.to(DEVICE)).cpu()
+    assert torch.equal(keyed, seeded)
+    assert torch.equal(seeded, _reference(logits, temps, seeds, offsets))
+
+
+def test_resolve_input_ids_takes_pending_tokens_from_the_device():
+    ids = torch.tensor([11, 0, 13, 0, 15], dtype=torch.int64)
+    prev = torch.tensor([-1, 2, -1, 0, -1], dtype=torch.int64)
+    sampled = torch.tensor([100, 101, 102, 103], dtype=torch.int64)
+    out = resolve_input_ids(ids.to(DEVICE), prev.to(DEVICE), sampled.to(DEVICE)).cpu()
+    assert out.tolist() == [11, 102, 13, 100, 15]

@@ -5,7 +5,8 @@ import torch
 from nanovllm.engine.scheduler import ScheduledBatch
 from nanovllm.engine.sequence import Sequence
 from nanovllm.sampling_params import SamplingParams
-from nanovllm.worker.inputs import HostToDevice, build_host_inputs, to_device
+from nanovllm.worker.inputs import HostToDevice, build_host_inputs, fill_decode_inputs, to_device
+from nanovllm.worker.sampling_inputs import build_sampling_metadata
 
 
 def _seq(tokens, computed, table):
@@ -39,3 +40,51 @@ def test_mixed_batch_layout():
     assert torch.equal(fb.input_ids, torch.from_numpy(host.input_ids))
     assert fb.attn.num_decodes == 2 and fb.attn.max_query_len == 20 and fb.attn.max_seq_len == 40
     assert np.array_equal(fb.attn.block_tables.numpy(), host.block_tables)
+
+
+def test_graphed_decode_inputs_match_the_general_path():
+    """fill_decode_inputs (the CUDA-graph fast path) writes what build_host_inputs and
+    build_sampling_metadata compute for the same decode batch, plus padding rows."""
+    bs, padded, width = 16, 8, 6
+    seqs = [_seq(list(range(40)), 39, [7, 3, 9]), _seq(list(range(20)), 20, [5, 6]),
+            _seq(list(range(70)), 69, [1, 2, 4, 8, 10]), _seq(list(range(5)), 4, [11])]
+    seqs[1].append_pending()
+    seqs[2].append_pending()
+    seqs[2].num_computed_tokens = 70
+    seqs[3].sampling_params = SamplingParams(temperature=0.0)
+    seqs[0].seed = -5  # any Python int: the low 64 bits count
+    last_rows = {seqs[1].seq_id: 3, seqs[2].seq_id: 0}
+    views = {"input_ids": np.full(padded, 99, np.int64), "prev_rows": np.full(padded, 99, np.int64),
+             "positions": np.full(padded, 99, np.int64), "slot_mapping": np.full(padded, 99, np.int64),
+             "seeds": np.full(padded, 99, np.int64), "offsets": np.full(padded, 99, np.int64),
+             "seq_lens": np.full(padded, 99, np.int32), "decode_order": np.full(padded, 99, np.int32),
+             "temperatures": np.full(padded, 99, np.float32),
+             "block_tables": np.full((padded, width), 99, np.int32)}
+    fill_decode_inputs(views, seqs, padded, bs, last_rows)
+    host = build_host_inputs(ScheduledBatch(seqs, [1] * 4, num_decodes=4), bs, last_rows)
+    meta = build_sampling_metadata(seqs, torch.device("cpu"))
+    n = len(seqs)
+    assert views["input_ids"][:n].tolist() == host.input_ids.tolist() == [39, 0, 0, 4]
+    assert views["prev_rows"][:n].tolist() == [-1, 3, 0, -1]
+    assert host.pending_dst.tolist() == [1, 2] and host.pending_src.tolist() == [3, 0]
+    for name in ("positions", "slot_mapping", "seq_lens", "decode_order"):
+        assert views[name][:n].tolist() == getattr(host, name).tolist(), name
+    for i, seq in enumerate(seqs):  # entries past a table's length are never read: left as they were
+        assert views["block_tables"][i, :len(seq.block_table)].tolist() == seq.block_table
+    assert views["temperatures"][:n].tolist() == meta.temperatures.tolist()
+    assert views["seeds"][:n].tolist() == meta.seeds.tolist()
+    assert views["offsets"][:n].tolist() == meta.offsets.tolist()
+    # Padding rows: skipped by the kernels, last in the dispatch order, never reading the device.
+    assert views["slot_mapping"][n:].tolist() == [-1] * (padded - n)
+    assert views["seq_lens"][n:].tolist() == [0] * (padded - n)
+    assert views["prev_rows"][n:].tolist() == [-1] * (padded - n)
+    assert views["decode_order"][n:].tolist() == list(range(n, padded))
+    assert views["temperatures"][n:].tolist() == [0.0] * (padded - n)
+
+
+def test_plain_sampling_flag():
+    assert _seq([1], 0, [0]).plain_sampling
+    for params in (SamplingParams(top_p=0.9), SamplingParams(top_k=5), SamplingParams(min_p=0.1),
+                   SamplingParams(presence_penalty=0.5), SamplingParams(repetition_penalty=1.1),
+                   SamplingParams(logprobs=0), SamplingParams(min_tokens=3)):
+        assert not Sequence([1], params, seed=0).plain_sampling, params
