@@ -22,7 +22,6 @@ import torch
 import triton
 import triton.language as tl
 
-from nanovllm.kernels.activation import silu_mul
 from nanovllm.kernels.splitk_gemm import SplitKOutput
 
 
@@ -154,10 +153,12 @@ def _silu_and_mul_kernel(x_ptr, y_ptr, stride_x, stride_y, I, BLOCK: tl.constexp
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < I
     src = x_ptr + row * stride_x + cols
-    gate = tl.load(src, mask=mask, other=0.0)
-    up = tl.load(src + I, mask=mask, other=0.0)
-    # In x's dtype (== y's); the split-K down_proj computes its A operand with the same helper.
-    tl.store(y_ptr + row * stride_y + cols, silu_mul(gate, up), mask=mask)
+    gate = tl.load(src, mask=mask, other=0.0).to(tl.float32)
+    up = tl.load(src + I, mask=mask, other=0.0).to(tl.float32)
+    # F.silu computes x / (1 + exp(-x)) in fp32 and rounds to the dtype; then `silu * up` in
+    # the dtype = exact fp32 product of two 16-bit values rounded once.
+    silu = tl.div_rn(gate, 1.0 + tl.exp(-gate)).to(y_ptr.dtype.element_ty).to(tl.float32)
+    tl.store(y_ptr + row * stride_y + cols, (silu * up).to(y_ptr.dtype.element_ty), mask=mask)
 
 
 def silu_and_mul(x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:

@@ -9,22 +9,12 @@ sums the S partials while it loads its input row: `SplitKOutput` carries them th
 
 The sum is rounded to the activation dtype before the residual add, as a cuBLAS output would be,
 so the consumer's arithmetic is unchanged; only the fp32 accumulation order differs.
-
-down_proj's input is SwiGLU of the gate_up output: with ``gated=True`` the kernel reads that
-output ([M, 2K] = [gate | up]) and computes ``silu(gate) * up`` while it loads its A tiles, so a
-decode step needs no separate SiLU-and-mul launch (~2 us of fixed latency per layer). At M <= 128
-the A operand is tiny next to the weights, so recomputing it in every N tile should cost little
-(`scripts/bench_splitk.py --gated` measures it). It is rounded exactly as `fused_ops.silu_and_mul`
-rounds it (one shared helper), so the partials equal those of ``splitk_linear(silu_and_mul(x), w)``
-bit for bit.
 """
 from typing import NamedTuple
 
 import torch
 import triton
 import triton.language as tl
-
-from nanovllm.kernels.activation import silu_mul
 
 _MAX_M = 128  # measured: from 256 rows on, cuBLAS has enough tiles and the partials cost more
 
@@ -47,10 +37,8 @@ class SplitKOutput(NamedTuple):
 
 
 @triton.jit(do_not_specialize=["M"])
-def _splitk_kernel(a_ptr, w_ptr, part_ptr, M, N, K, stride_am, stride_wn,
-                   K_SPLIT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                   GATED: tl.constexpr):
-    # GATED: a_ptr holds [gate | up] rows (up starts K columns in) and A = silu(gate) * up.
+def _splitk_kernel(a_ptr, w_ptr, part_ptr, M, N, stride_am, stride_wn,
+                   K_SPLIT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
     pid_k = tl.program_id(2)
@@ -63,11 +51,7 @@ def _splitk_kernel(a_ptr, w_ptr, part_ptr, M, N, K, stride_am, stride_wn,
     w_ptrs = w_ptr + rn[:, None].to(tl.int64) * stride_wn + rk[None, :]
     acc = tl.zeros([BM, BN], tl.float32)
     for _ in range(0, K_SPLIT, BK):  # K_SPLIT is a multiple of BK: no mask along K
-        if GATED:  # padded rows load 0 -> silu(0) * 0 = 0, as unpadded A would
-            gate = tl.load(a_ptrs, mask=m_mask[:, None], other=0.0)
-            a = silu_mul(gate, tl.load(a_ptrs + K, mask=m_mask[:, None], other=0.0))
-        else:
-            a = tl.load(a_ptrs, mask=m_mask[:, None], other=0.0)
+        a = tl.load(a_ptrs, mask=m_mask[:, None], other=0.0)
         w = tl.load(w_ptrs, mask=n_mask[:, None], other=0.0)
         acc = tl.dot(a, tl.trans(w), acc)
         a_ptrs += BK
@@ -92,15 +76,10 @@ def splitk_config(m: int, n: int, k: int) -> tuple[int, int, int, int, int, int]
     return splits, bm, bn, bk, 4, 3
 
 
-def splitk_linear(x: torch.Tensor, weight: torch.Tensor, config=None,
-                  gated: bool = False) -> SplitKOutput | None:
-    """x [M, K] @ weight[N, K]^T as S fp32 partials, or None when no config applies.
-
-    gated: x is a fused [gate | up] projection [M, 2K] and the product is
-    ``silu_and_mul(x) @ weight^T`` (the SiLU-and-mul done inside the GEMM, see the module doc)."""
-    m = x.shape[0]
-    n, k = weight.shape
-    assert x.shape[1] == (2 * k if gated else k), (x.shape, weight.shape, gated)
+def splitk_linear(x: torch.Tensor, weight: torch.Tensor, config=None) -> SplitKOutput | None:
+    """x [M, K] @ weight[N, K]^T as S fp32 partials, or None when no config applies."""
+    m, k = x.shape
+    n = weight.shape[0]
     config = config or splitk_config(m, n, k)
     if config is None or x.stride(-1) != 1 or weight.stride(-1) != 1:
         return None
@@ -108,9 +87,6 @@ def splitk_linear(x: torch.Tensor, weight: torch.Tensor, config=None,
     assert k % (splits * bk) == 0, (k, config)
     parts = torch.empty(splits, m, n, dtype=torch.float32, device=x.device)
     _splitk_kernel[(triton.cdiv(n, bn), triton.cdiv(m, bm), splits)](
-        x, weight, parts, m, n, k, x.stride(0), weight.stride(0),
-        K_SPLIT=k // splits, BM=bm, BN=bn, BK=bk, GATED=gated, num_warps=warps, num_stages=stages,
-        # No FMA contraction, as in fused_ops: the gated A operand must round like silu_and_mul.
-        # The kernel's only other arithmetic is tl.dot (unaffected) and integer addressing.
-        enable_fp_fusion=False)
+        x, weight, parts, m, n, x.stride(0), weight.stride(0),
+        K_SPLIT=k // splits, BM=bm, BN=bn, BK=bk, num_warps=warps, num_stages=stages)
     return SplitKOutput(parts, x.dtype)

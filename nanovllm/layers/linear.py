@@ -9,7 +9,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from nanovllm.distributed import all_reduce, tp_rank, tp_size
-from nanovllm.layers.activation import silu_and_mul
 
 
 def _divide(a: int, b: int) -> int:
@@ -96,16 +95,12 @@ class RowParallelLinear(LinearBase):
     def __init__(self, in_features: int, out_features: int, bias: bool = False):
         super().__init__(_divide(in_features, tp_size()), out_features, bias, 1)
 
-    def _splitk_applies(self, x: torch.Tensor, partials_ok: bool) -> bool:
-        """Whether the split-K kernel may run at all (it still declines shapes it has no tiles for)."""
-        return (partials_ok and x.is_cuda and x.dim() == 2 and self.bias is None and tp_size() == 1
-                and x.dtype in (torch.bfloat16, torch.float16))
-
     def forward(self, x: torch.Tensor, partials_ok: bool = False):
         """partials_ok: the caller feeds the result to a fused residual-add RMSNorm, which can
         sum split-K partials itself; small (decode) batches on the GPU then return a
         `SplitKOutput` instead of a tensor (kernels/splitk_gemm.py says why)."""
-        if self._splitk_applies(x, partials_ok):
+        if (partials_ok and x.is_cuda and x.dim() == 2 and self.bias is None and tp_size() == 1
+                and x.dtype in (torch.bfloat16, torch.float16)):
             from nanovllm.kernels.splitk_gemm import splitk_linear
             parts = splitk_linear(x, self.weight)
             if parts is not None:
@@ -113,16 +108,3 @@ class RowParallelLinear(LinearBase):
         # Bias is added once, after the reduction.
         y = F.linear(x, self.weight, self.bias if tp_rank() == 0 else None)
         return all_reduce(y)
-
-    def forward_gated(self, gate_up: torch.Tensor, partials_ok: bool = False):
-        """``forward(silu_and_mul(gate_up))`` for a fused [gate | up] input (down_proj).
-
-        Where split-K applies, its kernel computes the SiLU-and-mul while loading its A operand
-        (bit-identical to silu_and_mul): one launch fewer per layer in a decode step. Elsewhere
-        (CPU, large batches, tp > 1, bias, fp32) this is exactly the unfused path."""
-        if self._splitk_applies(gate_up, partials_ok):
-            from nanovllm.kernels.splitk_gemm import splitk_linear
-            parts = splitk_linear(gate_up, self.weight, gated=True)
-            if parts is not None:
-                return parts
-        return self.forward(silu_and_mul(gate_up), partials_ok)
