@@ -40,14 +40,18 @@ class AttentionMetadata:
 class AttentionBackend(ABC):
     name: str = "base"
     supports_cuda_graphs: bool = False
+    # True: the backend reads the new tokens' K/V only from the cache, and the model should write
+    # them there itself, in its Triton rotary kernel (a launch less per layer), then call forward
+    # with kv_stored=True.
+    fuses_kv_store: bool = False
 
     @abstractmethod
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+    def forward(self, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None,
                 k_cache: torch.Tensor, v_cache: torch.Tensor,
-                meta: AttentionMetadata, scale: float) -> torch.Tensor:
+                meta: AttentionMetadata, scale: float, kv_stored: bool = False) -> torch.Tensor:
         """q: [T, Hq, D], k/v: [T, Hkv, D] for the new tokens; caches: [num_blocks, block_size,
-        Hkv, D]. Stores k/v at meta.slot_mapping, then attends each new token to its sequence's
-        context. Returns [T, Hq, D]."""
+        Hkv, D]. Stores k/v at meta.slot_mapping (unless kv_stored: they are there already, and
+        k/v may be None), then attends each new token to its sequence's context. Returns [T, Hq, D]."""
 
     def setup(self, max_num_seqs: int, num_q_heads: int, num_kv_heads: int, head_dim: int,
               max_model_len: int, device: torch.device):

@@ -10,6 +10,7 @@ from nanovllm.kernels.paged_decode import alloc_decode_workspace, choose_num_spl
 class TritonAttentionBackend(AttentionBackend):
     name = "triton"
     supports_cuda_graphs = True
+    fuses_kv_store = True  # the attention kernels read keys/values only from the cache
 
     def __init__(self):
         self.workspace = None
@@ -21,8 +22,9 @@ class TritonAttentionBackend(AttentionBackend):
                    for b in range(1, max_num_seqs + 1))
         self.workspace = alloc_decode_workspace(rows, num_q_heads, head_dim, 1, device)
 
-    def forward(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float):
-        store_kv_cache(k, v, k_cache, v_cache, meta.slot_mapping)
+    def forward(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float, kv_stored: bool = False):
+        if not kv_stored:
+            store_kv_cache(k, v, k_cache, v_cache, meta.slot_mapping)
         out = torch.empty_like(q)
         nd = meta.num_decodes
         if nd:

@@ -14,7 +14,12 @@ class Attention(nn.Module):
         self.k_cache = self.v_cache = torch.tensor([])
         self.backend: AttentionBackend | None = None
 
-    def forward(self, q, k, v, meta: AttentionMetadata) -> torch.Tensor:
-        # q: [T, Hq, D], k/v: [T, Hkv, D] -> [T, Hq * D]
-        o = self.backend.forward(q, k, v, self.k_cache, self.v_cache, meta, self.scale)
+    @property
+    def fuses_kv_store(self) -> bool:
+        return self.backend.fuses_kv_store
+
+    def forward(self, q, k, v, meta: AttentionMetadata, kv_stored: bool = False) -> torch.Tensor:
+        # q: [T, Hq, D], k/v: [T, Hkv, D] -> [T, Hq * D]. kv_stored: the caller already wrote the
+        # new k/v into (k_cache, v_cache) at meta.slot_mapping (fuses_kv_store); k/v may be None.
+        o = self.backend.forward(q, k, v, self.k_cache, self.v_cache, meta, self.scale, kv_stored)
         return o.flatten(-2)

@@ -52,13 +52,28 @@ class RotaryEmbedding(nn.Module):
         """q: [T, Hq, D], k: [T, Hkv, D]; q_norm/k_norm: per-head RMSNorms applied first (Qwen3)."""
         if q.is_cuda:  # norms and rotation of q and k in one kernel
             from nanovllm.kernels.fused_ops import qk_norm_rope
-            return qk_norm_rope(q, k, positions, self.cos_sin_cache,
-                                None if q_norm is None else q_norm.weight, None if k_norm is None else k_norm.weight,
-                                1e-6 if q_norm is None else q_norm.eps)
+            return qk_norm_rope(q, k, positions, self.cos_sin_cache, *_norm_args(q_norm, k_norm))
         if q_norm is not None:
             q, k = q_norm(q), k_norm(k)
         cos, sin = self.cos_sin_cache[positions].unsqueeze(1).chunk(2, dim=-1)
         return _rotate(q, cos, sin), _rotate(k, cos, sin)
+
+    def forward_store_kv(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                         kv_cache: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+                         q_norm: nn.Module | None = None, k_norm: nn.Module | None = None) -> torch.Tensor:
+        """forward(), but the new keys and the values v [T, Hkv, D] go straight into the paged cache
+        kv_cache = (k_cache, v_cache, slot_mapping) (slots < 0 skipped); returns q. One Triton
+        launch instead of rope + the attention backend's K/V store, for backends that read keys
+        only from the cache (AttentionBackend.fuses_kv_store)."""
+        from nanovllm.kernels.fused_ops import qk_norm_rope_store_kv
+        return qk_norm_rope_store_kv(q, k, v, positions, self.cos_sin_cache, *kv_cache, *_norm_args(q_norm, k_norm))
+
+
+def _norm_args(q_norm: nn.Module | None, k_norm: nn.Module | None) -> tuple:
+    """(q_weight, k_weight, eps) of the fused kernels; (None, None, any) without norms."""
+    if q_norm is None:
+        return None, None, 1e-6
+    return q_norm.weight, k_norm.weight, q_norm.eps
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -35,12 +35,17 @@ class DecoderAttention(nn.Module):
         q = q.unflatten(-1, (self.num_heads, self.head_dim))    # [T, Hq, D]
         k = k.unflatten(-1, (self.num_kv_heads, self.head_dim))  # [T, Hkv, D]
         v = v.unflatten(-1, (self.num_kv_heads, self.head_dim))
-        if self.qk_norm:
-            q, k = self.rotary_emb(positions, q, k, self.q_norm, self.k_norm)
+        norms = (self.q_norm, self.k_norm) if self.qk_norm else ()
+        if self.attn.fuses_kv_store:
+            # The rotary kernel also writes k and v into the paged cache: a launch less per layer.
+            kv_cache = (self.attn.k_cache, self.attn.v_cache, meta.slot_mapping)
+            q = self.rotary_emb.forward_store_kv(positions, q, k, v, kv_cache, *norms)
+            o = self.attn(q, None, None, meta, kv_stored=True)
         else:
-            q, k = self.rotary_emb(positions, q, k)
+            q, k = self.rotary_emb(positions, q, k, *norms)
+            o = self.attn(q, k, v, meta)
         # The output only feeds the post-attention residual-add RMSNorm: partial sums are fine.
-        return self.o_proj(self.attn(q, k, v, meta), partials_ok=True)
+        return self.o_proj(o, partials_ok=True)
 
 
 class DecoderMLP(nn.Module):

@@ -29,6 +29,7 @@ def test_greedy_matches_hf_fp32(arch, enforce_eager, model_factory, hf_reference
     with LLM(model_factory(arch), dtype="float32", enforce_eager=enforce_eager, max_model_len=1024,
              max_num_seqs=64, kvcache_block_size=16, gpu_memory_utilization=0.3) as llm:
         assert llm.engine.model_runner.backend.name == "triton"
+        assert llm.engine.model_runner.backend.fuses_kv_store  # k/v reach the cache via the rope kernel
         assert (llm.engine.model_runner.graph_runner is None) == enforce_eager
         prompts = _prompts(1)
         outs = _greedy(llm, prompts)
