@@ -22,6 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
+from nanovllm.kernels.pdl import PDL_LAUNCH, pdl_prologue
 from nanovllm.kernels.splitk_gemm import SplitKOutput
 
 
@@ -41,6 +42,7 @@ def _rms_norm_kernel(
     eps,
     N: tl.constexpr, BLOCK: tl.constexpr, HAS_RES: tl.constexpr, NUM_PARTS: tl.constexpr,
 ):
+    pdl_prologue()
     # One program per token row; the whole row lives in registers (BLOCK = next_pow2(N)).
     row = tl.program_id(0).to(tl.int64)  # int64: row * stride can exceed 2^31 at long prefills
     cols = tl.arange(0, BLOCK)
@@ -114,7 +116,7 @@ def _rms_norm_launch(x, residual, weight, eps, out, residual_out):
         x2, r2, weight, y2, ro2,
         x2.stride(0), r2.stride(0), y2.stride(0), ro2.stride(0), stride_part,
         float(eps),
-        N=n, BLOCK=block, HAS_RES=residual is not None, NUM_PARTS=num_parts, **_launch_opts(block),
+        N=n, BLOCK=block, HAS_RES=residual is not None, NUM_PARTS=num_parts, **_launch_opts(block), **PDL_LAUNCH,
     )
     return y, r_out
 
@@ -148,6 +150,7 @@ def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Te
 # --------------------------------------------------------------------------------------------
 @triton.jit
 def _silu_and_mul_kernel(x_ptr, y_ptr, stride_x, stride_y, I, BLOCK: tl.constexpr):
+    pdl_prologue()
     # grid = (rows, cdiv(I, BLOCK)): rows on axis 0, whose limit is 2^31-1 (axis 1 allows 65535).
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
@@ -176,7 +179,7 @@ def silu_and_mul(x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tens
         return y
     block = min(1024, triton.next_power_of_2(i))
     _silu_and_mul_kernel[(x2.shape[0], triton.cdiv(i, block))](
-        x2, y2, x2.stride(0), y2.stride(0), i, BLOCK=block, **_launch_opts(block),
+        x2, y2, x2.stride(0), y2.stride(0), i, BLOCK=block, **_launch_opts(block), **PDL_LAUNCH,
     )
     return y
 
@@ -253,6 +256,7 @@ def _qk_norm_rope_kernel(
     HAS_NORM: tl.constexpr, HALF: tl.constexpr, BLOCK_HALF: tl.constexpr,
     G: tl.constexpr, NQG: tl.constexpr, STORE_KV: tl.constexpr,
 ):
+    pdl_prologue()
     # grid = (T, NQG + NKG): axis 1 picks a group of G heads, the first NQG groups are q's.
     # One launch for q and k; the token's cos/sin row is loaded once per program.
     t = tl.program_id(0).to(tl.int64)
@@ -348,7 +352,7 @@ def _qk_norm_rope_launch(q, k, positions, cos_sin_cache, q_weight, k_weight, eps
         *store_strides,
         hq, hkv, float(eps),
         HAS_NORM=has_norm, HALF=half, BLOCK_HALF=block_half, G=g, NQG=nqg, STORE_KV=kv_store is not None,
-        **_launch_opts(g * block_half),  # sized by one half-tile: 16 B bf16 vectors per thread
+        **_launch_opts(g * block_half), **PDL_LAUNCH,  # sized by one half-tile: 16 B bf16 vectors per thread
     )
     return q_out, k_out
 

@@ -23,6 +23,8 @@ import torch
 import triton
 import triton.language as tl
 
+from nanovllm.kernels.pdl import PDL_LAUNCH, pdl_prologue
+
 _LOG2E = 1.4426950408889634
 _NEG_INIT = tl.constexpr(-1.0e30)  # finite running-max init: exp2(-inf - (-inf)) would give NaN
 
@@ -55,6 +57,7 @@ def _decode_split_kernel(
     HAS_ORDER: tl.constexpr,  # program i of the batch axis serves sequence order[i]
     DOT_PREC: tl.constexpr,
 ):
+    pdl_prologue()
     # The head axis varies fastest so that all heads of one sequence are dispatched together.
     if HAS_ORDER:
         b = tl.load(order_ptr + tl.program_id(1))
@@ -136,6 +139,7 @@ def _decode_merge_kernel(
     BLOCK_S: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
+    pdl_prologue()
     b = tl.program_id(0)
     h = tl.program_id(1)
     s = tl.arange(0, BLOCK_S)
@@ -274,8 +278,7 @@ def paged_decode_attention(
         HEAD_DIM=head_dim, BLOCK_D=block_d,
         PAGE_SIZE=page_size, BLOCK_N=block_n,
         DIRECT_OUT=direct, HAS_ORDER=order is not None, DOT_PREC=dot_prec,
-        num_warps=num_warps, num_stages=num_stages,
-    )
+        num_warps=num_warps, num_stages=num_stages, **PDL_LAUNCH)
     if not direct:
         _decode_merge_kernel[(batch, num_q_heads)](
             out, part_o, part_lse,
@@ -283,6 +286,5 @@ def paged_decode_attention(
             num_q_heads, num_splits,
             BLOCK_S=triton.next_power_of_2(num_splits),
             HEAD_DIM=head_dim, BLOCK_D=block_d,
-            num_warps=4 if block_d * num_splits <= 4096 else 8,
-        )
+            num_warps=4 if block_d * num_splits <= 4096 else 8, **PDL_LAUNCH)
     return out

@@ -17,6 +17,8 @@ import torch
 import triton
 import triton.language as tl
 
+from nanovllm.kernels.pdl import PDL_LAUNCH, pdl_prologue
+
 _LOG2E = 1.4426950408889634
 _NEG_INIT = tl.constexpr(-1.0e30)  # finite running-max init: keeps fully-masked rows free of NaN
 
@@ -92,6 +94,7 @@ def _prefill_kernel(
     PAGE_SIZE: tl.constexpr,
     DOT_PREC: tl.constexpr,
 ):
+    pdl_prologue()
     b = tl.program_id(0) // num_kv_heads
     kv_head = tl.program_id(0) % num_kv_heads
     tile = tl.num_programs(1) - 1 - tl.program_id(1)  # heaviest (latest) tiles first
@@ -219,6 +222,5 @@ def paged_prefill_attention(
         HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim),
         PAGE_SIZE=page_size,
         DOT_PREC="ieee" if q.dtype == torch.float32 else "tf32",
-        num_warps=num_warps, num_stages=num_stages,
-    )
+        num_warps=num_warps, num_stages=num_stages, **PDL_LAUNCH)
     return out

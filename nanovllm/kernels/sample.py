@@ -13,6 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
+from nanovllm.kernels.pdl import PDL_LAUNCH, pdl_prologue
 from nanovllm.kernels.paged_decode import _device_sms
 
 
@@ -38,6 +39,7 @@ def _row_key(seed, offset):
 def _sample_split_kernel(logits_ptr, stride_row, temps_ptr, row_keys_ptr, seeds_ptr, offsets_ptr,
                          part_score_ptr, part_idx_ptr, vocab_size, chunk, num_splits,
                          BLOCK: tl.constexpr, SEEDED: tl.constexpr):
+    pdl_prologue()
     row = tl.program_id(0)
     split = tl.program_id(1)
     temp = tl.load(temps_ptr + row)
@@ -74,6 +76,7 @@ def _sample_split_kernel(logits_ptr, stride_row, temps_ptr, row_keys_ptr, seeds_
 
 @triton.jit(do_not_specialize=["num_splits"])
 def _sample_merge_kernel(part_score_ptr, part_idx_ptr, out_ptr, num_splits, vocab_size, BLOCK_S: tl.constexpr):
+    pdl_prologue()
     row = tl.program_id(0)
     s = tl.arange(0, BLOCK_S)
     mask = s < num_splits
@@ -116,14 +119,15 @@ def sample_rows(logits: torch.Tensor, temperatures: torch.Tensor, row_keys: torc
     _sample_split_kernel[(batch, splits)](logits, logits.stride(0), temperatures, keys,
                                           seeds if seeded else keys, offsets if seeded else keys,
                                           part_score, part_idx, vocab_size, chunk, splits,
-                                          BLOCK=block, SEEDED=seeded, num_warps=4)
+                                          BLOCK=block, SEEDED=seeded, num_warps=4, **PDL_LAUNCH)
     _sample_merge_kernel[(batch,)](part_score, part_idx, out, splits, vocab_size,
-                                   BLOCK_S=_MAX_SPLITS, num_warps=1)  # one variant for every batch size
+                                   BLOCK_S=_MAX_SPLITS, num_warps=1, **PDL_LAUNCH)  # one variant for any batch
     return out
 
 
 @triton.jit
 def _resolve_input_ids_kernel(ids_ptr, prev_rows_ptr, sampled_ptr, n, BLOCK: tl.constexpr):
+    pdl_prologue()
     i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     mask = i < n
     prev = tl.load(prev_rows_ptr + i, mask=mask, other=-1)
@@ -139,5 +143,5 @@ def resolve_input_ids(input_ids: torch.Tensor, prev_rows: torch.Tensor, sampled:
     n = input_ids.numel()
     if n:
         block = min(1024, triton.next_power_of_2(n))
-        _resolve_input_ids_kernel[(triton.cdiv(n, block),)](input_ids, prev_rows, sampled, n, BLOCK=block)
+        _resolve_input_ids_kernel[(triton.cdiv(n, block),)](input_ids, prev_rows, sampled, n, BLOCK=block, **PDL_LAUNCH)
     return input_ids

@@ -16,6 +16,8 @@ import torch
 import triton
 import triton.language as tl
 
+from nanovllm.kernels.pdl import PDL_LAUNCH, pdl_prologue
+
 _MAX_M = 128  # measured: from 256 rows on, cuBLAS has enough tiles and the partials cost more
 
 
@@ -39,6 +41,7 @@ class SplitKOutput(NamedTuple):
 @triton.jit(do_not_specialize=["M"])
 def _splitk_kernel(a_ptr, w_ptr, part_ptr, M, N, stride_am, stride_wn,
                    K_SPLIT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+    pdl_prologue()
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
     pid_k = tl.program_id(2)
@@ -88,5 +91,5 @@ def splitk_linear(x: torch.Tensor, weight: torch.Tensor, config=None) -> SplitKO
     parts = torch.empty(splits, m, n, dtype=torch.float32, device=x.device)
     _splitk_kernel[(triton.cdiv(n, bn), triton.cdiv(m, bm), splits)](
         x, weight, parts, m, n, x.stride(0), weight.stride(0),
-        K_SPLIT=k // splits, BM=bm, BN=bn, BK=bk, num_warps=warps, num_stages=stages)
+        K_SPLIT=k // splits, BM=bm, BN=bn, BK=bk, num_warps=warps, num_stages=stages, **PDL_LAUNCH)
     return SplitKOutput(parts, x.dtype)

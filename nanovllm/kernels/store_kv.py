@@ -9,6 +9,8 @@ import torch
 import triton
 import triton.language as tl
 
+from nanovllm.kernels.pdl import PDL_LAUNCH, pdl_prologue
+
 
 @triton.jit
 def _store_kv_kernel(
@@ -21,6 +23,7 @@ def _store_kv_kernel(
     NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
+    pdl_prologue()
     # One program per token: it copies all [num_kv_heads, head_dim] values.
     i = tl.program_id(0)
     slot = tl.load(slot_ptr + i).to(tl.int64)
@@ -81,5 +84,4 @@ def store_kv_cache(
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         NUM_HEADS=num_heads, HEAD_DIM=head_dim,
         BLOCK_H=block_h, BLOCK_D=block_d,
-        num_warps=num_warps,
-    )
+        num_warps=num_warps, **PDL_LAUNCH)
