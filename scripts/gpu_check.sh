@@ -2,7 +2,9 @@
 # Everything that needs the GPU, in one call: GPU tests, kernel timings, the benchmarks.
 #   bash scripts/gpu_check.sh [OUTDIR]      (on the device machine: OUTDIR defaults to $OUT)
 # Stages can be picked with STAGES="tests kernels bench single bench8b" (that default), or with
-# any of: eager (enforce_eager=True), nosplitk (A/B of the split-K projections), topp (top-p/top-k).
+# any of: eager (enforce_eager=True), nosplitk (A/B of the split-K projections), topp (top-p/top-k),
+# nopdl (programmatic dependent launch off), profile (device busy vs idle over a run, top kernels),
+# host (host time per engine-step stage at a few batch sizes).
 set -o pipefail
 OUTDIR=${1:-${OUT:-/tmp/nanovllm-gpu}}
 mkdir -p "$OUTDIR"
@@ -24,6 +26,9 @@ for stage in $STAGES; do
     eager)   run eager python3 bench.py --enforce-eager --json "$OUTDIR/bench_qwen3_0.6b_eager.json" ;;
     nosplitk) run nosplitk python3 bench.py --no-split-k --json "$OUTDIR/bench_qwen3_0.6b_nosplitk.json" ;;
     topp)    run topp python3 bench.py --top-p 0.9 --top-k 50 --json "$OUTDIR/bench_qwen3_0.6b_topp.json" ;;
+    nopdl)   NANOVLLM_PDL=0 run nopdl python3 bench.py --json "$OUTDIR/bench_qwen3_0.6b_nopdl.json" ;;
+    profile) run profile python3 bench.py --profile ;;
+    host)    run host python3 scripts/host_timing.py ;;
     single)  run single python3 bench.py --single --json "$OUTDIR/bench_single.json" ;;
     bench8b) run bench8b python3 bench.py --config benchmarks/configs/qwen3-8b.json --json "$OUTDIR/bench_qwen3_8b.json" ;;
     *) echo "unknown stage $stage"; status=1 ;;
