@@ -233,6 +233,10 @@ def main():
         sampler = getattr(llm.engine.model_runner, "sampler", None)
         assert sampler is not None, "--sampler-ab needs tensor_parallel_size=1"
         ours = sampler.sample
+        # Decode steps draw inside a CUDA graph (the same kernel as `ours`); send every step through
+        # the eager sampler so that the two arms differ in the sampler alone.
+        import nanovllm.worker.model_runner as model_runner
+        model_runner._plain_sampling = lambda seq: False
         for _ in range(args.sampler_ab):
             for name, fn in (("minimal", minimal_sample), ("ours", ours)):
                 sampler.sample = fn
