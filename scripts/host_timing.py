@@ -10,21 +10,15 @@ and runs steady-state decode batches of the given sizes:
 means the host is the bottleneck.
 """
 import argparse
-import os
 import random
-import shutil
-import sys
-import tempfile
 import time
 from collections import defaultdict
 
 import torch
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-from nanovllm import LLM, SamplingParams  # noqa: E402
-import nanovllm.worker.model_runner as model_runner_mod  # noqa: E402
+from steady_decode import DEFAULT_CONFIG, end_decode_batch, random_weight_llm, start_decode_batch
+import nanovllm.worker.model_runner as model_runner_mod
 
-HERE = os.path.dirname(os.path.abspath(__file__))
 TOTALS: dict[str, float] = defaultdict(float)
 
 
@@ -63,21 +57,15 @@ def sync():
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--batch", type=int, nargs="+", default=[1, 16, 64, 256])
-    ap.add_argument("--config", default=os.path.join(HERE, "..", "benchmarks/configs/qwen3-0.6b.json"))
+    ap.add_argument("--config", default=DEFAULT_CONFIG)
     ap.add_argument("--steps", type=int, default=200)
     args = ap.parse_args()
-    tmp = tempfile.mkdtemp()
-    shutil.copy(args.config, os.path.join(tmp, "config.json"))
-    llm = LLM(tmp, load_format="dummy", max_model_len=4096)
+    llm = random_weight_llm(args.config)
     engine = llm.engine
     instrument(engine)
     rng = random.Random(0)
     for batch in args.batch:
-        for i in range(batch):
-            prompt = [rng.randint(0, 10000) for _ in range(rng.randint(100, 1024))]
-            engine.add_request(f"{batch}-{i}", prompt, SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=4000))
-        while any(s.num_computed_tokens < s.num_prompt_tokens for s in engine.scheduler.running) or engine.scheduler.waiting:
-            engine.step()
+        start_decode_batch(engine, batch, rng)
         for _ in range(10):
             engine.step()
         sync()
@@ -90,9 +78,7 @@ def main():
         print(f"\n===== batch {batch}: {wall * 1e3:.3f} ms/step wall")
         for name, total in sorted(TOTALS.items(), key=lambda kv: -kv[1]):
             print(f"  {name:>28}: {total / args.steps * 1e6:8.1f} us/step")
-        for i in range(batch):
-            engine.abort_request(f"{batch}-{i}")
-        engine.drain()
+        end_decode_batch(engine, batch)
     llm.shutdown()
 
 
