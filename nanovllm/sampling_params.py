@@ -77,6 +77,11 @@ class SamplingParams:
         return (self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
                 or self.repetition_penalty != 1.0)
 
+    @property
+    def plain(self) -> bool:
+        """Temperature (or greedy) alone: the sampler's default draw, which CUDA graphs capture."""
+        return not (self.uses_filters or self.uses_penalties or self.logprobs is not None or self.min_tokens > 0)
+
 
 def _is_number(v) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool) and v == v  # v == v rejects NaN

@@ -45,13 +45,37 @@ class AttentionBackend(ABC):
     # with kv_stored=True.
     fuses_kv_store: bool = False
 
-    @abstractmethod
     def forward(self, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None,
                 k_cache: torch.Tensor, v_cache: torch.Tensor,
                 meta: AttentionMetadata, scale: float, kv_stored: bool = False) -> torch.Tensor:
         """q: [T, Hq, D], k/v: [T, Hkv, D] for the new tokens; caches: [num_blocks, block_size,
         Hkv, D]. Stores k/v at meta.slot_mapping (unless kv_stored: they are there already, and
-        k/v may be None), then attends each new token to its sequence's context. Returns [T, Hq, D]."""
+        k/v may be None), then attends each new token to its sequence's context: the decode rows
+        (first in the batch) with `decode`, the rest with `prefill`. Returns [T, Hq, D]."""
+        if not kv_stored:
+            self.store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        out = torch.empty_like(q)
+        nd = meta.num_decodes
+        if nd:
+            self.decode(q[:nd], k_cache, v_cache, meta, scale, out[:nd])
+        if nd < meta.num_seqs:
+            self.prefill(q[nd:], k_cache, v_cache, meta, scale, out[nd:])
+        return out
+
+    @abstractmethod
+    def store_kv(self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                 slot_mapping: torch.Tensor):
+        """Write k/v [T, Hkv, D] into the caches at slot_mapping (slots < 0: padding, skipped)."""
+
+    @abstractmethod
+    def decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
+               scale: float, out: torch.Tensor):
+        """q/out: [num_decodes, Hq, D], one token per sequence (the batch's first sequences)."""
+
+    @abstractmethod
+    def prefill(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
+                scale: float, out: torch.Tensor):
+        """q/out: the tokens of the sequences after the decodes (chunks, prefix hits, prompts)."""
 
     def setup(self, max_num_seqs: int, num_q_heads: int, num_kv_heads: int, head_dim: int,
               max_model_len: int, device: torch.device):

@@ -15,19 +15,18 @@ def gather_context(cache: torch.Tensor, block_table: torch.Tensor, length: int) 
 class TorchAttentionBackend(AttentionBackend):
     name = "torch"
 
-    def forward(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float, kv_stored: bool = False):
-        if not kv_stored:
-            store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
-        out = torch.empty_like(q)
-        nd = meta.num_decodes
-        if nd:
-            out[:nd] = self._decode(q[:nd], k_cache, v_cache, meta, scale)
+    def store_kv(self, k, v, k_cache, v_cache, slot_mapping):
+        store_kv(k, v, k_cache, v_cache, slot_mapping)
+
+    def decode(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float, out):
+        out.copy_(self._decode(q, k_cache, v_cache, meta, scale))
+
+    def prefill(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float, out):
+        nd = meta.num_decodes  # q starts after the decode tokens, one per decode
         qsl, lens = meta.query_start_loc_host, meta.seq_lens_host
         for i in range(nd, meta.num_seqs):
-            start, end = qsl[i], qsl[i + 1]
-            out[start:end] = self._prefill_one(q[start:end], k_cache, v_cache,
-                                               meta.block_tables[i], lens[i], scale)
-        return out
+            start, end = qsl[i] - nd, qsl[i + 1] - nd
+            out[start:end] = self._prefill_one(q[start:end], k_cache, v_cache, meta.block_tables[i], lens[i], scale)
 
     @staticmethod
     def _prefill_one(q, k_cache, v_cache, block_table, seq_len, scale):

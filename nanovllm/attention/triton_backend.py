@@ -1,6 +1,5 @@
 """Attention on the GPU with our Triton kernels: paged KV store, flash-decoding for the decode
 rows and a varlen paged prefill kernel for the rest (chunks, prefix hits, whole prompts)."""
-import torch
 
 from nanovllm.attention.base import AttentionBackend, AttentionMetadata
 from nanovllm.kernels import paged_decode_attention, paged_prefill_attention, store_kv_cache
@@ -22,19 +21,17 @@ class TritonAttentionBackend(AttentionBackend):
                    for b in range(1, max_num_seqs + 1))
         self.workspace = alloc_decode_workspace(rows, num_q_heads, head_dim, 1, device)
 
-    def forward(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float, kv_stored: bool = False):
-        if not kv_stored:
-            store_kv_cache(k, v, k_cache, v_cache, meta.slot_mapping)
-        out = torch.empty_like(q)
+    def store_kv(self, k, v, k_cache, v_cache, slot_mapping):
+        store_kv_cache(k, v, k_cache, v_cache, slot_mapping)
+
+    def decode(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float, out):
         nd = meta.num_decodes
-        if nd:
-            hint = meta.max_seq_len_bound or meta.max_seq_len
-            kv_heads = k_cache.shape[2]
-            splits = choose_num_splits(nd, q.shape[1], kv_heads, q.shape[2], q.device, hint)
-            paged_decode_attention(q[:nd], k_cache, v_cache, meta.block_tables[:nd], meta.seq_lens[:nd], scale,
-                                   out=out[:nd], num_splits=splits, workspace=self.workspace,
-                                   order=meta.decode_order)
-        if nd < meta.num_seqs:
-            paged_prefill_attention(q[nd:], k_cache, v_cache, meta.prefill_query_start_loc, meta.seq_lens[nd:],
-                                    meta.block_tables[nd:], meta.max_query_len, scale, out=out[nd:])
-        return out
+        hint = meta.max_seq_len_bound or meta.max_seq_len
+        splits = choose_num_splits(nd, q.shape[1], k_cache.shape[2], q.shape[2], q.device, hint)
+        paged_decode_attention(q, k_cache, v_cache, meta.block_tables[:nd], meta.seq_lens[:nd], scale,
+                               out=out, num_splits=splits, workspace=self.workspace, order=meta.decode_order)
+
+    def prefill(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float, out):
+        nd = meta.num_decodes
+        paged_prefill_attention(q, k_cache, v_cache, meta.prefill_query_start_loc, meta.seq_lens[nd:],
+                                meta.block_tables[nd:], meta.max_query_len, scale, out=out)

@@ -32,10 +32,7 @@ class Sequence:
         self.status = SequenceStatus.WAITING
         self.sampling_params = sampling_params
         self.seed = seed  # drives this sequence's sampling noise, independent of the batch
-        sp = sampling_params
-        # Temperature (or greedy) alone: the sampler's default draw, which CUDA graphs capture.
-        self.plain_sampling = not (sp.uses_filters or sp.uses_penalties or sp.logprobs is not None
-                                   or sp.min_tokens > 0)
+        self.plain_sampling = sampling_params.plain  # read per step on the decode hot path
         self.finish_reason: str | None = None
         self.stop_reason: int | str | None = None
         self.logprobs: list[dict] | None = [] if sampling_params.logprobs is not None else None

@@ -32,11 +32,11 @@ class PackedInputs:
 
     def __init__(self, fields: dict[str, tuple[torch.dtype, tuple[int, ...]]], device: torch.device,
                  num_host_buffers: int = 3):
-        self.offsets, total = {}, 0
+        self.offsets, self._sizes, total = {}, {}, 0
         for name, (dtype, shape) in fields.items():
             self.offsets[name] = total
-            nbytes = int(np.prod(shape)) * torch.tensor([], dtype=dtype).element_size()
-            total += -(-nbytes // 16) * 16  # 16-byte alignment for every view
+            self._sizes[name] = int(np.prod(shape)) * torch.tensor([], dtype=dtype).element_size()
+            total += -(-self._sizes[name] // 16) * 16  # 16-byte alignment for every view
         self.nbytes = total
         self.device_buffer = torch.zeros(total, dtype=torch.uint8, device=device)
         self.device = {name: self._view(self.device_buffer, name, dtype, shape)
@@ -49,8 +49,7 @@ class PackedInputs:
 
     def _view(self, buffer, name, dtype, shape):
         start = self.offsets[name]
-        nbytes = int(np.prod(shape)) * torch.tensor([], dtype=dtype).element_size()
-        return buffer[start:start + nbytes].view(dtype).view(shape)
+        return buffer[start:start + self._sizes[name]].view(dtype).view(shape)
 
     def host(self) -> dict[str, np.ndarray]:
         i = self._current = self._next
