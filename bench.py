@@ -194,8 +194,8 @@ def main():
     args = ap.parse_args()
 
     if args.no_split_k:
-        import nanovllm.kernels.splitk_gemm as splitk
-        splitk.splitk_config = lambda m, n, k: None
+        import nanovllm.kernels.gemm as gemm
+        gemm.splitk_config = lambda m, n, k: None
     path, cfg, load_format = model_dir(args)
     llm = LLM(path, enforce_eager=args.enforce_eager, max_model_len=args.max_model_len, load_format=load_format,
               device=args.device, dtype=args.dtype, tensor_parallel_size=args.tensor_parallel_size)

@@ -14,7 +14,7 @@ import triton.testing
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 from nanovllm.kernels.fused_ops import fused_add_rms_norm  # noqa: E402
-from nanovllm.kernels.splitk_gemm import splitk_config, splitk_linear  # noqa: E402
+from nanovllm.kernels.gemm import splitk_config, splitk_linear  # noqa: E402
 
 SHAPES = {"o_proj": (2048, 1024), "down_proj": (3072, 1024)}  # Qwen3-0.6B (K, N)
 

@@ -23,7 +23,7 @@ import triton
 import triton.language as tl
 
 from nanovllm.kernels.pdl import PDL_LAUNCH, pdl_prologue
-from nanovllm.kernels.splitk_gemm import SplitKOutput
+from nanovllm.kernels.gemm import SplitKOutput
 
 
 def _launch_opts(block: int) -> dict:

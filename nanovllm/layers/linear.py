@@ -9,6 +9,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from nanovllm.distributed import all_reduce, tp_rank, tp_size
+from nanovllm.layers.activation import silu_and_mul
 
 
 def _divide(a: int, b: int) -> int:
@@ -45,9 +46,24 @@ class ReplicatedLinear(LinearBase):
         super().__init__(in_features, out_features, bias, None)
 
 
+def _decode_gemm_config(x: torch.Tensor, weight: torch.Tensor, bias):
+    """Our Triton GEMM's configuration for a decode-sized x on the GPU, or None (then cuBLAS)."""
+    if bias is not None or not x.is_cuda or x.dim() != 2 or x.dtype not in (torch.bfloat16, torch.float16):
+        return None
+    from nanovllm.kernels.gemm import dense_config
+    return dense_config(x.shape[0], weight.shape[0], x.shape[1])
+
+
 class ColumnParallelLinear(LinearBase):
     def __init__(self, in_features: int, out_features: int, bias: bool = False):
         super().__init__(in_features, _divide(out_features, tp_size()), bias, 0)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        config = _decode_gemm_config(x, self.weight, self.bias)
+        if config is not None:
+            from nanovllm.kernels.gemm import dense_linear
+            return dense_linear(x, self.weight, config)
+        return F.linear(x, self.weight, self.bias)
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
@@ -56,6 +72,16 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
     def __init__(self, in_features: int, output_sizes: list[int], bias: bool = False):
         self.output_sizes = output_sizes
         super().__init__(in_features, sum(output_sizes), bias)
+
+    def swiglu(self, x: torch.Tensor) -> torch.Tensor:
+        """silu(gate) * up for a [gate, up] projection: one kernel for decode batches on the GPU
+        (the [M, 2I] product never reaches memory), else the product then SiLU-and-mul."""
+        assert len(self.output_sizes) == 2 and self.output_sizes[0] == self.output_sizes[1]
+        config = _decode_gemm_config(x, self.weight, self.bias)
+        if config is not None:
+            from nanovllm.kernels.gemm import gated_linear
+            return gated_linear(x, self.weight, config)
+        return silu_and_mul(F.linear(x, self.weight, self.bias))
 
     def weight_loader(self, param, loaded, shard_id: int):
         n = tp_size()
@@ -98,10 +124,10 @@ class RowParallelLinear(LinearBase):
     def forward(self, x: torch.Tensor, partials_ok: bool = False):
         """partials_ok: the caller feeds the result to a fused residual-add RMSNorm, which can
         sum split-K partials itself; small (decode) batches on the GPU then return a
-        `SplitKOutput` instead of a tensor (kernels/splitk_gemm.py says why)."""
+        `SplitKOutput` instead of a tensor (kernels/gemm.py says why)."""
         if (partials_ok and x.is_cuda and x.dim() == 2 and self.bias is None and tp_size() == 1
                 and x.dtype in (torch.bfloat16, torch.float16)):
-            from nanovllm.kernels.splitk_gemm import splitk_linear
+            from nanovllm.kernels.gemm import splitk_linear
             parts = splitk_linear(x, self.weight)
             if parts is not None:
                 return parts

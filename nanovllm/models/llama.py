@@ -3,7 +3,6 @@ import torch
 from torch import nn
 
 from nanovllm.attention.base import AttentionMetadata
-from nanovllm.layers.activation import SiluAndMul
 from nanovllm.layers.attention import Attention
 from nanovllm.layers.embed_head import ParallelLMHead, VocabParallelEmbedding
 from nanovllm.layers.layernorm import RMSNorm
@@ -56,11 +55,10 @@ class DecoderMLP(nn.Module):
         inter = config.intermediate_size
         self.gate_up_proj = MergedColumnParallelLinear(config.hidden_size, [inter, inter], bias)
         self.down_proj = RowParallelLinear(inter, config.hidden_size, bias)
-        self.act_fn = SiluAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # Consumed by the next residual-add RMSNorm (next layer's or the final one).
-        return self.down_proj(self.act_fn(self.gate_up_proj(x)), partials_ok=True)
+        return self.down_proj(self.gate_up_proj.swiglu(x), partials_ok=True)
 
 
 class DecoderLayer(nn.Module):

@@ -23,6 +23,33 @@ def _greedy(llm, prompts, n=24):
     return [o["token_ids"] for o in outs]
 
 
+def _greedy_top2(llm, prompts, n):
+    """Greedy tokens and, per token, the two best (token id, logprob) of the reference."""
+    params = SamplingParams(temperature=0, max_tokens=n, ignore_eos=True, logprobs=2)
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    return [(o["token_ids"], [[(t["token_id"], t["logprob"]) for t in e["top_logprobs"]] for e in o["logprobs"]])
+            for o in outs]
+
+
+# bf16 paths round differently (accumulation order, fused vs separate ops): over 28 layers the
+# logits move by a few hundredths, so a reference top-2 gap below this is a tie, not a bug.
+BF16_NEAR_TIE = 0.1
+
+
+def _assert_bf16_agreement(ours, reference, what):
+    """Token-equal to the reference until a divergence where the reference had a near-tie (and ours
+    took its runner-up); after that the continuations are not comparable."""
+    for i, (tokens, (ref_tokens, ref_top2)) in enumerate(zip(ours, reference)):
+        for j, (a, b) in enumerate(zip(tokens, ref_tokens)):
+            if a == b:
+                continue
+            (t0, l0), (t1, l1) = ref_top2[j]
+            assert a == t1 and l0 - l1 < BF16_NEAR_TIE, (
+                f"{what}: prompt {i} token {j}: ours {a}, reference {b} (top-2 {t0}:{l0:.4f}, {t1}:{l1:.4f})\n"
+                f"ours {tokens}\nref  {ref_tokens}")
+            break
+
+
 @pytest.mark.parametrize("arch", ["qwen3", "qwen2", "llama"])
 @pytest.mark.parametrize("enforce_eager", [False, True])
 def test_greedy_matches_hf_fp32(arch, enforce_eager, model_factory, hf_reference):
@@ -93,10 +120,8 @@ def test_qwen3_06b_bf16_triton_agrees_with_torch_backend(tmp_path):
     with LLM(str(tmp_path), **kwargs) as fast:
         a = _greedy(fast, prompts, 8)
     with LLM(str(tmp_path), attention_backend="torch", enforce_eager=True, **kwargs) as ref:
-        b = _greedy(ref, prompts, 8)
-    # bf16 rounding differs between kernels: the first tokens must agree, later ones may drift.
-    assert all(x[:4] == y[:4] for x, y in zip(a, b)), (a, b)
-    assert sum(x == y for x, y in zip(a, b)) >= len(a) - 1
+        b = _greedy_top2(ref, prompts, 8)
+    _assert_bf16_agreement(a, b, "triton vs torch backend")
 
 
 def test_kv_cache_sized_from_gpu_memory_utilization(tmp_path):
@@ -112,23 +137,25 @@ def test_kv_cache_sized_from_gpu_memory_utilization(tmp_path):
     assert abs((n_big - n_small) * block_bytes - 0.2 * total) < 0.02 * total
 
 
-def test_qwen3_06b_bf16_split_k_agrees_with_cublas(tmp_path, monkeypatch):
-    """Decode projections as split-K partials summed in the RMSNorm vs plain cuBLAS GEMMs."""
+def test_qwen3_06b_bf16_triton_projections_agree_with_cublas(tmp_path, monkeypatch):
+    """Decode projections on our GEMM kernel (split-K partials summed in the RMSNorm, dense qkv,
+    SwiGLU-fused gate_up) vs plain cuBLAS GEMMs."""
     import shutil
 
-    import nanovllm.kernels.splitk_gemm as splitk
+    import nanovllm.kernels.gemm as gemm
     shutil.copy(QWEN3_06B, tmp_path / "config.json")
     kwargs = dict(load_format="dummy", dtype="bfloat16", max_model_len=2048, max_num_seqs=16,
                   gpu_memory_utilization=0.3)
     prompts = _prompts(6, lengths=(10, 100, 300, 1000))
-    used = []
-    config = splitk.splitk_config
-    monkeypatch.setattr(splitk, "splitk_config", lambda m, n, k: used.append(m) or config(m, n, k))
+    used = {"splitk": [], "dense": []}
+    splitk_config, dense_config = gemm.splitk_config, gemm.dense_config
+    monkeypatch.setattr(gemm, "splitk_config", lambda m, n, k: used["splitk"].append(m) or splitk_config(m, n, k))
+    monkeypatch.setattr(gemm, "dense_config", lambda m, n, k: used["dense"].append(m) or dense_config(m, n, k))
     with LLM(str(tmp_path), **kwargs) as fast:
         a = _greedy(fast, prompts, 8)
-    assert used and min(used) <= 16  # decode steps took the split-K path
-    monkeypatch.setattr(splitk, "splitk_config", lambda m, n, k: None)
+    assert min(used["splitk"]) <= 16 and min(used["dense"]) <= 16  # decode steps took our kernels
+    monkeypatch.setattr(gemm, "splitk_config", lambda m, n, k: None)
+    monkeypatch.setattr(gemm, "dense_config", lambda m, n, k: None)
     with LLM(str(tmp_path), **kwargs) as ref:
-        b = _greedy(ref, prompts, 8)
-    assert all(x[:4] == y[:4] for x, y in zip(a, b)), (a, b)
-    assert sum(x == y for x, y in zip(a, b)) >= len(a) - 1
+        b = _greedy_top2(ref, prompts, 8)
+    _assert_bf16_agreement(a, b, "our projections vs cuBLAS")

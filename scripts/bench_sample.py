@@ -1,0 +1,58 @@
+"""The sampling pass (`kernels/sample.py`) at decode batch sizes over a Qwen3-sized vocabulary.
+
+    python scripts/bench_sample.py [--baseline FILE]      (GPU machine)
+
+Times `sample_rows` (split pass + merge, CUDA graph, median) on bf16 logits for B in 1..256, with
+the bytes it must read as a fraction of the copy bandwidth. --baseline times another version of
+the module (a copy of an older sample.py) in the same run, and counts rows drawing differently.
+"""
+import argparse
+import importlib.util
+import os
+import sys
+
+import torch
+import triton.testing
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+from nanovllm.kernels import sample  # noqa: E402
+
+VOCAB = 151936
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--baseline", help="path of another sample.py to time alongside")
+    args = ap.parse_args()
+    versions = {"current": sample}
+    if args.baseline:
+        spec = importlib.util.spec_from_file_location("baseline_sample", args.baseline)
+        mod = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(mod)
+        versions["baseline"] = mod
+    src = torch.empty(1 << 30, dtype=torch.bfloat16, device="cuda")
+    dst = torch.empty_like(src)
+    bw = 4 * src.numel() / (triton.testing.do_bench(lambda: dst.copy_(src), return_mode="median") * 1e-3)
+    del src, dst
+    print(f"copy bandwidth {bw / 1e12:.2f} TB/s")
+    for batch in (1, 16, 64, 128, 256):
+        g = torch.Generator(device="cuda").manual_seed(batch)
+        logits = (torch.randn(batch, VOCAB, device="cuda", generator=g) * 3).to(torch.bfloat16)
+        temps = torch.full((batch,), 0.6, device="cuda")
+        seeds = torch.randint(0, 2**62, (batch,), device="cuda", generator=g)
+        offsets = torch.randint(0, 1024, (batch,), device="cuda", generator=g)
+        out = torch.empty(batch, dtype=torch.int64, device="cuda")
+        ideal_us = logits.numel() * logits.element_size() / bw * 1e6
+        tokens, line = {}, f"B={batch:3d}: read-bound {ideal_us:6.1f} us"
+        for name, mod in versions.items():
+            fn = lambda: mod.sample_rows(logits, temps, None, out=out, seeds=seeds, offsets=offsets)  # noqa: E731
+            t = triton.testing.do_bench_cudagraph(fn, rep=50) * 1e3
+            tokens[name] = fn().clone()
+            line += f" | {name} {t:6.1f} us ({ideal_us / t:4.0%})"
+        if len(tokens) == 2:
+            line += f" | rows drawing differently: {(tokens['current'] != tokens['baseline']).sum().item()}/{batch}"
+        print(line, flush=True)
+
+
+if __name__ == "__main__":
+    main()
