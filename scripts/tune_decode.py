@@ -1,12 +1,15 @@
 """Sweep the paged-decode kernel's tile configuration on ragged batches like the benchmark's.
 
     python scripts/tune_decode.py            (on the GPU machine)
+    python scripts/tune_decode.py --buckets  (default config only, batch sizes 8-256: efficiency per
+                                              batch size, the engine's split count against others)
 
 For each batch (context lengths drawn like the nano-vllm workload at several points of its run)
 it times every (BLOCK_N, num_warps, num_stages) with and without longest-first dispatch and a few
 split counts, checks each result against the default configuration, and prints the bandwidth
 reached as a fraction of the device copy bandwidth measured in the same run.
 """
+import argparse
 import itertools
 import os
 import random
@@ -16,7 +19,8 @@ import torch
 import triton.testing
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-from nanovllm.kernels.paged_decode import _decode_config, alloc_decode_workspace, paged_decode_attention  # noqa: E402
+from nanovllm.kernels.paged_decode import (_decode_config, alloc_decode_workspace, choose_num_splits,  # noqa: E402
+                                           paged_decode_attention)
 
 HQ, HKV, D, PAGE = 16, 8, 128, 256  # Qwen3-0.6B's attention, the default block size
 
@@ -43,7 +47,45 @@ def make_batch(lens, num_blocks):
     return q, tables, seq_lens, order
 
 
+def buckets(bw, k_cache, v_cache, ws, num_blocks, configs):
+    """Tile configurations at the batch sizes the benchmark's decode steps go through (contexts as
+    late in the run, when small batches hold the longest requests): the engine's split count against
+    fixed ones, as a fraction of the copy bandwidth."""
+    block_g = _decode_config(D, HQ // HKV)[0]
+    for cfg in configs:
+        print(f"BLOCK_N, warps, stages = {cfg}" + (" (default)" if cfg == _decode_config(D, HQ // HKV)[1:] else ""))
+        buckets_one(bw, k_cache, v_cache, ws, num_blocks, (block_g, *cfg))
+
+
+def buckets_one(bw, k_cache, v_cache, ws, num_blocks, config):
+    random.seed(1)
+    for batch in (8, 16, 32, 48, 64, 96, 128, 192, 256):
+        late = 1.0 - batch / 256  # the fewer sequences are left, the further the run has gone
+        lens = [random.randint(100, 1024) + int(random.randint(100, 1024) * late) for _ in range(batch)]
+        q, tables, seq_lens, order = make_batch(lens, num_blocks)
+        kv_bytes = sum(lens) * HKV * D * 2 * 2
+        engine = choose_num_splits(batch, HQ, HKV, D, q.device, 4096)
+        line = f"B={batch:3d} ctx~{sum(lens) // batch:4d} KV {kv_bytes / 1e6:6.1f} MB:"
+        for splits in sorted({engine, 1, 2, 4, 8}):
+            def call():
+                return paged_decode_attention(q, k_cache, v_cache, tables, seq_lens, D ** -0.5, num_splits=splits,
+                                              workspace=ws, order=order, _config=config)
+            try:
+                us = triton.testing.do_bench_cudagraph(call, rep=30, return_mode="median") * 1e3
+            except Exception as e:  # shared memory
+                line += f"  s={splits}: {type(e).__name__}"
+                continue
+            mark = "*" if splits == engine else ""
+            line += f"  s={splits}{mark} {us:6.1f} us {kv_bytes / (us * 1e-6) / bw:4.0%}"
+        print(line, flush=True)
+
+
 def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--buckets", action="store_true", help="a few configs at batch sizes 8-256 only")
+    ap.add_argument("--configs", default="64,4,3 64,4,5 128,4,3 128,8,4 32,4,6",
+                    help="with --buckets: BLOCK_N,warps,stages triples (the first is the default)")
+    args = ap.parse_args()
     torch.manual_seed(0)
     random.seed(0)
     bw = copy_bandwidth()
@@ -52,6 +94,9 @@ def main():
     k_cache = torch.randn(num_blocks, PAGE, HKV, D, dtype=torch.bfloat16, device="cuda")
     v_cache = torch.randn_like(k_cache)
     ws = alloc_decode_workspace(256, HQ, D, 8, "cuda")
+    if args.buckets:
+        configs = [tuple(int(v) for v in c.split(",")) for c in args.configs.split()]
+        return buckets(bw, k_cache, v_cache, ws, num_blocks, configs)
     # Context lengths over the benchmark's run: prompts U(100, 1024) plus the tokens generated so far.
     batches = {
         "B=256 early": [random.randint(100, 1024) + 50 for _ in range(256)],
