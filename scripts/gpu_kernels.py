@@ -220,7 +220,9 @@ PREFILL_CASES = [("8x2048", [2048] * 8, [2048] * 8), ("1x8192", [8192], [8192]),
                  ("4x512 chunk on 3584 prefix", [512] * 4, [4096] * 4)]
 STORE_TOKENS = (256, 8192)
 # Config sweeps (G/M rows, N keys per tile, warps, stages) reported next to the defaults.
-DECODE_CONFIGS = [(16, bn, w, s) for bn in (32, 64, 128) for w, s in ((4, 2), (4, 3), (4, 5), (8, 3))]
+# (the decode tuples end with PREFETCH_BLOCKS: block ids carried one tile ahead)
+DECODE_CONFIGS = [(16, bn, w, s, pf) for bn in (32, 64, 128) for w, s in ((4, 2), (4, 3), (4, 5), (8, 3))
+                  for pf in (False, True)]
 PREFILL_CONFIGS = [(128, 64, 8, 2), (128, 64, 8, 3), (128, 64, 8, 4), (128, 128, 8, 2),
                    (128, 128, 8, 3), (128, 32, 8, 3), (64, 64, 4, 3), (64, 64, 4, 4),
                    (128, 64, 4, 3), (64, 128, 4, 3)]

@@ -53,7 +53,8 @@ def buckets(bw, k_cache, v_cache, ws, num_blocks, configs):
     fixed ones, as a fraction of the copy bandwidth."""
     block_g = _decode_config(D, HQ // HKV)[0]
     for cfg in configs:
-        print(f"BLOCK_N, warps, stages = {cfg}" + (" (default)" if cfg == _decode_config(D, HQ // HKV)[1:] else ""))
+        print(f"BLOCK_N, warps, stages, PREFETCH_BLOCKS = {cfg}"
+              + (" (default)" if cfg == _decode_config(D, HQ // HKV)[1:] else ""))
         buckets_one(bw, k_cache, v_cache, ws, num_blocks, (block_g, *cfg))
 
 
@@ -83,8 +84,8 @@ def buckets_one(bw, k_cache, v_cache, ws, num_blocks, config):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--buckets", action="store_true", help="a few configs at batch sizes 8-256 only")
-    ap.add_argument("--configs", default="64,4,3 64,4,5 128,4,3 128,8,4 32,4,6",
-                    help="with --buckets: BLOCK_N,warps,stages triples (the first is the default)")
+    ap.add_argument("--configs", default="64,4,3,0 64,4,3,1 64,4,4,1 64,4,2,1 64,4,5,0 128,4,3,1",
+                    help="with --buckets: BLOCK_N,warps,stages,prefetch_blocks (0/1); the first is the default")
     args = ap.parse_args()
     torch.manual_seed(0)
     random.seed(0)
@@ -95,7 +96,7 @@ def main():
     v_cache = torch.randn_like(k_cache)
     ws = alloc_decode_workspace(256, HQ, D, 8, "cuda")
     if args.buckets:
-        configs = [tuple(int(v) for v in c.split(",")) for c in args.configs.split()]
+        configs = [(*(int(v) for v in c.split(",")[:3]), c.split(",")[3] == "1") for c in args.configs.split()]
         return buckets(bw, k_cache, v_cache, ws, num_blocks, configs)
     # Context lengths over the benchmark's run: prompts U(100, 1024) plus the tokens generated so far.
     batches = {
@@ -105,7 +106,8 @@ def main():
         "B=32 tail": [random.randint(100, 1024) + random.randint(900, 1000) for _ in range(32)],
     }
     block_g = _decode_config(D, HQ // HKV)[0]
-    configs = [(block_g, n, w, s) for n, w, s in itertools.product((32, 64, 128), (4, 8), (2, 3, 4))]
+    configs = [(block_g, n, w, s, pf) for n, w, s, pf in itertools.product((32, 64, 128), (4, 8), (2, 3, 4),
+                                                                          (False, True))]
     for name, lens in batches.items():
         q, tables, seq_lens, order = make_batch(lens, num_blocks)
         kv_bytes = sum(lens) * HKV * D * 2 * 2
@@ -131,7 +133,7 @@ def main():
               f"{default[0] * 1e3:.1f} us = {kv_bytes / (default[0] * 1e-3) / bw:.1%} of copy BW")
         for ms, cfg, use_order, splits in results[:8]:
             print(f"  {ms * 1e3:7.1f} us  {kv_bytes / (ms * 1e-3) / bw:6.1%}  BLOCK_N={cfg[1]:3d} warps={cfg[2]} "
-                  f"stages={cfg[3]} longest_first={use_order} splits={splits}")
+                  f"stages={cfg[3]} prefetch_blocks={cfg[4]} longest_first={use_order} splits={splits}")
 
 
 if __name__ == "__main__":

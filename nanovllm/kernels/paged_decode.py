@@ -56,6 +56,11 @@ def _decode_split_kernel(
     DIRECT_OUT: tl.constexpr,  # num_splits == 1: write the final output here
     HAS_ORDER: tl.constexpr,  # program i of the batch axis serves sequence order[i]
     DOT_PREC: tl.constexpr,
+    # Load each tile's block ids one iteration ahead, carried across iterations. Read in the same
+    # iteration, they make the K/V loads "indirect" to Triton's pipeliner, which then spends a
+    # stage on them: num_stages=3 leaves one K/V buffer (sm_90 TTGIR), and a program has a single
+    # tile in flight. Carried, num_stages=3 gives two buffers (72 KB of shared memory instead of 39).
+    PREFETCH_BLOCKS: tl.constexpr,
 ):
     pdl_prologue()
     # The head axis varies fastest so that all heads of one sequence are dispatched together.
@@ -90,12 +95,18 @@ def _decode_split_kernel(
     k_head = k_cache_ptr + kv_head * stride_kh
     v_head = v_cache_ptr + kv_head * stride_vh
     offs_n = tl.arange(0, BLOCK_N)
+    if PREFETCH_BLOCKS:
+        blk_next = tl.load(bt_row + (start + offs_n) // PAGE_SIZE, mask=start + offs_n < end, other=0)
     for n0 in range(start, end, BLOCK_N):
         pos = n0 + offs_n
         n_mask = pos < end
         # Physical block per key (a tile may cross cache-block boundaries when
         # PAGE_SIZE < BLOCK_N); int64 because block * stride_kb can exceed 2^31.
-        blk = tl.load(bt_row + pos // PAGE_SIZE, mask=n_mask, other=0).to(tl.int64)
+        if PREFETCH_BLOCKS:
+            blk = blk_next.to(tl.int64)
+            blk_next = tl.load(bt_row + (pos + BLOCK_N) // PAGE_SIZE, mask=pos + BLOCK_N < end, other=0)
+        else:
+            blk = tl.load(bt_row + pos // PAGE_SIZE, mask=n_mask, other=0).to(tl.int64)
         tok = pos % PAGE_SIZE
         # Mask only along keys unless head_dim is padded: a mask varying along head_dim
         # would stop the compiler from emitting 16-byte vector loads.
@@ -172,15 +183,15 @@ def _device_sms(device: torch.device) -> int:
 
 
 def _decode_config(head_dim: int, group: int):
-    """(BLOCK_G, BLOCK_N, num_warps, num_stages); a fixed table, no autotuning, so the
-    first call inside a CUDA-graph capture doesn't benchmark anything."""
+    """(BLOCK_G, BLOCK_N, num_warps, num_stages, PREFETCH_BLOCKS); a fixed table, no autotuning,
+    so the first call inside a CUDA-graph capture doesn't benchmark anything."""
     block_g = min(max(16, triton.next_power_of_2(group)), 64)
     block_d = triton.next_power_of_2(head_dim)
     if block_d <= 64:
-        return block_g, 128, 4, 3
+        return block_g, 128, 4, 3, False
     if block_d <= 128:
-        return block_g, 64, 4, 3
-    return block_g, 32, 4, 2
+        return block_g, 64, 4, 3, False
+    return block_g, 32, 4, 2, False
 
 
 def choose_num_splits(batch: int, num_q_heads: int, num_kv_heads: int, head_dim: int,
@@ -221,7 +232,7 @@ def paged_decode_attention(
     workspace: tuple[torch.Tensor, torch.Tensor] | None = None,
     max_seq_len_hint: int | None = None,
     order: torch.Tensor | None = None,
-    _config: tuple | None = None,  # (BLOCK_G, BLOCK_N, num_warps, num_stages), for benchmarks
+    _config: tuple | None = None,  # `_decode_config`'s tuple, for benchmarks
 ) -> torch.Tensor:
     """Attention of one query token per sequence over its ``seq_lens[b]`` cached keys.
 
@@ -247,7 +258,7 @@ def paged_decode_attention(
         return out
     assert batch <= 65535, "the batch is grid axis 1 (at most 65535 programs)"
 
-    block_g, block_n, num_warps, num_stages = _config or _decode_config(head_dim, group)
+    block_g, block_n, num_warps, num_stages, prefetch_blocks = _config or _decode_config(head_dim, group)
     block_d = triton.next_power_of_2(head_dim)
     head_blocks = triton.cdiv(group, block_g)
     if num_splits is None:
@@ -277,7 +288,7 @@ def paged_decode_attention(
         GROUP=group, HEAD_BLOCKS=head_blocks, BLOCK_G=block_g,
         HEAD_DIM=head_dim, BLOCK_D=block_d,
         PAGE_SIZE=page_size, BLOCK_N=block_n,
-        DIRECT_OUT=direct, HAS_ORDER=order is not None, DOT_PREC=dot_prec,
+        DIRECT_OUT=direct, HAS_ORDER=order is not None, DOT_PREC=dot_prec, PREFETCH_BLOCKS=prefetch_blocks,
         num_warps=num_warps, num_stages=num_stages, **PDL_LAUNCH)
     if not direct:
         _decode_merge_kernel[(batch, num_q_heads)](

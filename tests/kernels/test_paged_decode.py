@@ -7,7 +7,7 @@ from nanovllm.kernels import reference as ref
 
 
 def _run_case(seq_lens, num_q_heads, num_kv_heads, head_dim, block_size, dtype, device, gen,
-              num_splits=None, workspace=None, order=None):
+              num_splits=None, workspace=None, order=None, config=None):
     k_cache, v_cache, block_tables = ref.random_paged_kv(
         seq_lens, num_kv_heads, head_dim, block_size, dtype, device, generator=gen)
     seq_lens_t = torch.tensor(seq_lens, dtype=torch.int32, device=device)
@@ -19,7 +19,7 @@ def _run_case(seq_lens, num_q_heads, num_kv_heads, head_dim, block_size, dtype, 
     out = torch.full((len(seq_lens), num_q_heads, head_dim), float("nan"), dtype=dtype,
                      device=device)  # poisoned: every element must be written
     res = paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens_t, scale, out=out,
-                                 num_splits=num_splits, workspace=workspace, order=order)
+                                 num_splits=num_splits, workspace=workspace, order=order, _config=config)
     assert res is out
     expect = ref.paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens_t, scale)
     assert not out.isnan().any()
@@ -98,3 +98,13 @@ def test_choose_num_splits_is_host_only():
     assert choose_num_splits(1, 16, 8, 128, cpu) > 1
     assert choose_num_splits(1, 16, 8, 128, cpu, max_seq_len_hint=100) == 1
     assert 1 <= choose_num_splits(1, 64, 1, 128, cpu) <= 64
+
+
+@pytest.mark.parametrize("block_size", [16, 64, 256])  # tiles across blocks, one block, inside one block
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_decode_block_ids_carried_one_tile_ahead(block_size, num_splits, device, gen):
+    """PREFETCH_BLOCKS (block ids loaded an iteration early) gives the same attention."""
+    from nanovllm.kernels.paged_decode import _decode_config
+    config = (*_decode_config(64, 2)[:4], True)
+    seq_lens = [1, 0, 63, 64, 65, 300, 129]
+    _run_case(seq_lens, 4, 2, 64, block_size, torch.float16, device, gen, num_splits=num_splits, config=config)

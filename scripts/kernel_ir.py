@@ -1,0 +1,64 @@
+"""How Triton pipelines our decode kernels on Hopper, without a GPU: compile for sm_90 and print the
+shared memory and the multi-buffered loads (the depth of each `local_alloc` is the number of tiles a
+program keeps in flight).
+
+    python scripts/kernel_ir.py            (any machine with triton; ptxas ships with it)
+
+The arguments carry the divisibility hints the JIT derives at a real launch (pointers and strides
+divisible by 16): without them Triton cannot use async copies and pipelines nothing.
+"""
+import os
+import re
+import sys
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+from nanovllm.kernels.gemm import _gemm_kernel  # noqa: E402
+from nanovllm.kernels.paged_decode import _decode_split_kernel  # noqa: E402
+
+_DECODE_PTRS = {"q_ptr": "*bf16", "k_cache_ptr": "*bf16", "v_cache_ptr": "*bf16", "block_tables_ptr": "*i32",
+                "seq_lens_ptr": "*i32", "order_ptr": "*i32", "out_ptr": "*bf16", "part_o_ptr": "*fp32",
+                "part_lse_ptr": "*fp32"}
+
+
+def compile_sm90(fn, constexprs, pointer_type, divisible, num_warps, num_stages):
+    signature, attrs = {}, {}
+    for i, name in enumerate(fn.arg_names):
+        if name in constexprs:
+            signature[name] = "constexpr"
+        elif name.endswith("_ptr"):
+            signature[name] = pointer_type(name)
+            attrs[(i,)] = [["tt.divisibility", 16]]
+        else:
+            signature[name] = "fp32" if name == "qk_scale" else "i32"
+            if divisible(name):
+                attrs[(i,)] = [["tt.divisibility", 16]]
+    compiled = triton.compile(ASTSource(fn, signature, constexprs=constexprs, attrs=attrs),
+                              target=GPUTarget("cuda", 90, 32), options=dict(num_warps=num_warps, num_stages=num_stages))
+    buffers = re.findall(r"ttg.local_alloc : \(\) -> !ttg.memdesc<([0-9x]+\w+)", compiled.asm["ttgir"])
+    return compiled.metadata.shared, buffers
+
+
+def main():
+    print("paged decode (Qwen3-0.6B: GQA 2, D=128, block 256, BLOCK_N=64, 4 warps)")
+    for prefetch in (False, True):
+        for stages in (2, 3, 4):
+            consts = dict(GROUP=2, HEAD_BLOCKS=1, BLOCK_G=16, HEAD_DIM=128, BLOCK_D=128, PAGE_SIZE=256, BLOCK_N=64,
+                          DIRECT_OUT=True, HAS_ORDER=True, DOT_PREC="tf32", PREFETCH_BLOCKS=prefetch)
+            shared, buffers = compile_sm90(
+                _decode_split_kernel, consts, _DECODE_PTRS.get,
+                lambda n: (n.startswith("stride") and n != "stride_bt") or n == "num_q_heads", 4, stages)
+            print(f"  PREFETCH_BLOCKS={prefetch!s:5} num_stages={stages}: shared {shared:6d} B, buffers {buffers}")
+    print("decode GEMM (split-K partials, M<=16 tile)")
+    for stages in (2, 3):
+        consts = dict(K_SPLIT=512, BM=16, BN=32, BK=128, GATED=False, PARTIALS=True)
+        shared, buffers = compile_sm90(_gemm_kernel, consts, lambda n: "*fp32" if n == "out_ptr" else "*bf16",
+                                       lambda n: n.startswith("stride") or n == "N", 4, stages)
+        print(f"  num_stages={stages}: shared {shared:6d} B, buffers {buffers}")
+
+
+if __name__ == "__main__":
+    main()
