@@ -16,6 +16,11 @@ import triton.language as tl
 from nanovllm.kernels.pdl import PDL_LAUNCH, pdl_prologue
 from nanovllm.kernels.paged_decode import _device_sms
 
+try:
+    from triton.language.extra.cuda.libdevice import fast_logf
+except ImportError:  # a Triton without the CUDA libdevice wrappers: FAST_LOG unavailable
+    fast_logf = None
+
 
 @triton.jit
 def _mix32(x):
@@ -38,7 +43,7 @@ def _row_key(seed, offset):
 @triton.jit(do_not_specialize=["chunk", "num_splits"])  # batch-dependent: one variant
 def _sample_split_kernel(logits_ptr, stride_row, temps_ptr, row_keys_ptr, seeds_ptr, offsets_ptr,
                          part_score_ptr, part_idx_ptr, vocab_size, chunk, num_splits,
-                         BLOCK: tl.constexpr, SEEDED: tl.constexpr):
+                         BLOCK: tl.constexpr, SEEDED: tl.constexpr, FAST_LOG: tl.constexpr):
     pdl_prologue()
     row = tl.program_id(0)
     split = tl.program_id(1)
@@ -61,7 +66,10 @@ def _sample_split_kernel(logits_ptr, stride_row, temps_ptr, row_keys_ptr, seeds_
         x = tl.load(base + cols, mask=mask, other=float("-inf")).to(tl.float32)
         bits = _mix32(_mix32(key ^ cols.to(tl.uint32)) ^ salt)
         u = ((bits >> 8).to(tl.float32) + 0.5) * (1.0 / 16777216.0)
-        gumbel = -tl.log(-tl.log(u))
+        if FAST_LOG:  # lg2.approx-based (GPU only): the pass is compute-bound on the two logs
+            gumbel = -fast_logf(-fast_logf(u))
+        else:
+            gumbel = -tl.log(-tl.log(u))
         score = tl.where(greedy, x, x * inv_t + gumbel)
         score = tl.where(mask, score, float("-inf"))
         better = score > best  # strict: the first of equal scores wins, as in torch.argmax
@@ -97,10 +105,12 @@ def _num_splits(batch: int, vocab_size: int, device: torch.device, block: int) -
 
 def sample_rows(logits: torch.Tensor, temperatures: torch.Tensor, row_keys: torch.Tensor | None,
                 out: torch.Tensor | None = None, seeds: torch.Tensor | None = None,
-                offsets: torch.Tensor | None = None) -> torch.Tensor:
+                offsets: torch.Tensor | None = None, _fast_log: bool = False) -> torch.Tensor:
     """logits [B, V] (any float dtype, unit stride on V); temperatures [B] float32 (0: greedy);
     row_keys [B] int64 from `nanovllm.layers.sampler.row_keys`, or None with seeds and offsets
-    [B] int64 to derive them in the kernel (same keys). Returns [B] int64 token ids."""
+    [B] int64 to derive them in the kernel (same keys). Returns [B] int64 token ids.
+    _fast_log (GPU only, for scripts/bench_sample.py until measured): approximate logs for the noise,
+    which changes a draw only where two scores tie to ~1e-6."""
     batch, vocab_size = logits.shape
     seeded = row_keys is None
     assert not seeded or (seeds is not None and offsets is not None)
@@ -119,7 +129,8 @@ def sample_rows(logits: torch.Tensor, temperatures: torch.Tensor, row_keys: torc
     _sample_split_kernel[(batch, splits)](logits, logits.stride(0), temperatures, keys,
                                           seeds if seeded else keys, offsets if seeded else keys,
                                           part_score, part_idx, vocab_size, chunk, splits,
-                                          BLOCK=block, SEEDED=seeded, num_warps=4, **PDL_LAUNCH)
+                                          BLOCK=block, SEEDED=seeded, FAST_LOG=_fast_log, num_warps=4,
+                                          **PDL_LAUNCH)
     _sample_merge_kernel[(batch,)](part_score, part_idx, out, splits, vocab_size,
                                    BLOCK_S=_MAX_SPLITS, num_warps=1, **PDL_LAUNCH)  # one variant for any batch
     return out
