@@ -46,9 +46,15 @@ class ReplicatedLinear(LinearBase):
         super().__init__(in_features, out_features, bias, None)
 
 
-def _decode_gemm_config(x: torch.Tensor, weight: torch.Tensor, bias):
-    """Our Triton GEMM's configuration for a decode-sized x on the GPU, or None (then cuBLAS)."""
-    if bias is not None or not x.is_cuda or x.dim() != 2 or x.dtype not in (torch.bfloat16, torch.float16):
+def _gemm_kernel_applies(x: torch.Tensor, bias) -> bool:
+    """Whether x may take our Triton GEMM (kernels/gemm.py): a 2-D half-precision batch on the GPU
+    and no bias. Its tables then decide by size."""
+    return bias is None and x.is_cuda and x.dim() == 2 and x.dtype in (torch.bfloat16, torch.float16)
+
+
+def _dense_config(x: torch.Tensor, weight: torch.Tensor, bias):
+    """The dense / gated kernel's configuration for x, or None (then cuBLAS)."""
+    if not _gemm_kernel_applies(x, bias):
         return None
     from nanovllm.kernels.gemm import dense_config
     return dense_config(x.shape[0], weight.shape[0], x.shape[1])
@@ -59,7 +65,7 @@ class ColumnParallelLinear(LinearBase):
         super().__init__(in_features, _divide(out_features, tp_size()), bias, 0)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        config = _decode_gemm_config(x, self.weight, self.bias)
+        config = _dense_config(x, self.weight, self.bias)
         if config is not None:
             from nanovllm.kernels.gemm import dense_linear
             return dense_linear(x, self.weight, config)
@@ -77,7 +83,7 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         """silu(gate) * up for a [gate, up] projection: one kernel for decode batches on the GPU
         (the [M, 2I] product never reaches memory), else the product then SiLU-and-mul."""
         assert len(self.output_sizes) == 2 and self.output_sizes[0] == self.output_sizes[1]
-        config = _decode_gemm_config(x, self.weight, self.bias)
+        config = _dense_config(x, self.weight, self.bias)
         if config is not None:
             from nanovllm.kernels.gemm import gated_linear
             return gated_linear(x, self.weight, config)
@@ -125,8 +131,7 @@ class RowParallelLinear(LinearBase):
         """partials_ok: the caller feeds the result to a fused residual-add RMSNorm, which can
         sum split-K partials itself; small (decode) batches on the GPU then return a
         `SplitKOutput` instead of a tensor (kernels/gemm.py says why)."""
-        if (partials_ok and x.is_cuda and x.dim() == 2 and self.bias is None and tp_size() == 1
-                and x.dtype in (torch.bfloat16, torch.float16)):
+        if partials_ok and tp_size() == 1 and _gemm_kernel_applies(x, self.bias):
             from nanovllm.kernels.gemm import splitk_linear
             parts = splitk_linear(x, self.weight)
             if parts is not None:
