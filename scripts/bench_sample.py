@@ -13,16 +13,14 @@ import torch
 import triton.testing
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+from bench import measure_device  # noqa: E402
 from nanovllm.kernels.sample import sample_rows  # noqa: E402
 
 VOCAB = 151936
 
 
 def main():
-    src = torch.empty(1 << 30, dtype=torch.bfloat16, device="cuda")
-    dst = torch.empty_like(src)
-    bw = 4 * src.numel() / (triton.testing.do_bench(lambda: dst.copy_(src), return_mode="median") * 1e-3)
-    del src, dst
+    bw = measure_device(torch.device("cuda"))[0]
     print(f"copy bandwidth {bw / 1e12:.2f} TB/s")
     for batch in (1, 16, 64, 128, 256):
         g = torch.Generator(device="cuda").manual_seed(batch)

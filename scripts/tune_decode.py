@@ -19,17 +19,11 @@ import torch
 import triton.testing
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+from bench import measure_device  # noqa: E402
 from nanovllm.kernels.paged_decode import (_decode_config, alloc_decode_workspace, choose_num_splits,  # noqa: E402
                                            paged_decode_attention)
 
 HQ, HKV, D, PAGE = 16, 8, 128, 256  # Qwen3-0.6B's attention, the default block size
-
-
-def copy_bandwidth() -> float:
-    src = torch.randn(1 << 30, dtype=torch.bfloat16, device="cuda")
-    dst = torch.empty_like(src)
-    ms = triton.testing.do_bench(lambda: dst.copy_(src), warmup=25, rep=200, return_mode="median")
-    return 2 * src.numel() * 2 / (ms * 1e-3)
 
 
 def make_batch(lens, num_blocks):
@@ -89,7 +83,7 @@ def main():
     args = ap.parse_args()
     torch.manual_seed(0)
     random.seed(0)
-    bw = copy_bandwidth()
+    bw = measure_device(torch.device("cuda"))[0]
     print(f"copy bandwidth {bw / 1e12:.2f} TB/s")
     num_blocks = 256 * 9
     k_cache = torch.randn(num_blocks, PAGE, HKV, D, dtype=torch.bfloat16, device="cuda")

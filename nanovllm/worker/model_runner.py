@@ -219,9 +219,13 @@ class ModelRunner:
         if self.graph_runner is not None:
             # Where the graphs look for the previous step's tokens (prev_rows index this buffer).
             sampled.token_ids = self.graph_runner.sampled[:len(seqs)].copy_(sampled.token_ids)
-        self._last_sampled = sampled.token_ids if self.graph_runner is None else self.graph_runner.sampled
-        self._last_row_of_seq = dict(zip(map(_seq_id, seqs), range(len(seqs))))
+        self._remember_sampled(seqs, sampled.token_ids if self.graph_runner is None else self.graph_runner.sampled)
         return StepOutput(seqs, sampled)
+
+    def _remember_sampled(self, seqs: list[Sequence], tokens: torch.Tensor):
+        """The next step reads its pending inputs from `tokens` on the device: row i is seqs[i]'s."""
+        self._last_sampled = tokens
+        self._last_row_of_seq = dict(zip(map(_seq_id, seqs), range(len(seqs))))
 
     def _execute_graphed_decode(self, seqs: list[Sequence]) -> StepOutput:
         """A pure decode step on one device: inputs filled into the graphs' pinned buffer and sent
@@ -235,8 +239,7 @@ class ModelRunner:
         g.replay(bs, sample=plain)
         if not plain:
             return self._sample(seqs, g.logits[:n])
-        self._last_sampled = g.sampled
-        self._last_row_of_seq = dict(zip(map(_seq_id, seqs), range(n)))
+        self._remember_sampled(seqs, g.sampled)
         return self._token_ring.copy(seqs, g.sampled[:n])
 
     def shutdown(self):
