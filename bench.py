@@ -137,9 +137,10 @@ def minimal_sample(logits, meta):
     return SamplerOutput(tokens)
 
 
-def profile_run(llm, prompts, params, top: int = 25):
+def profile_run(llm, prompts, params, top: int = 25, trace: str | None = None):
     """One generate under the CUDA profiler: how much of the wall time the device spends in kernels
-    (the rest is the host not keeping up) and which kernels take it."""
+    (the rest is the host not keeping up) and which kernels take it; `trace`: a chrome trace file
+    for scripts/trace_gaps.py (where the idle time sits)."""
     from torch.profiler import ProfilerActivity, profile
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
@@ -147,6 +148,8 @@ def profile_run(llm, prompts, params, top: int = 25):
         llm.generate(prompts, params, use_tqdm=False)
         torch.cuda.synchronize()
         wall = time.perf_counter() - start
+    if trace:
+        prof.export_chrome_trace(trace)
     from torch.autograd import DeviceType
     rows = [(e.key, e.count, e.self_device_time_total) for e in prof.key_averages()
             if e.device_type == DeviceType.CUDA and e.self_device_time_total > 0]  # kernels, copies, memsets
@@ -189,6 +192,7 @@ def main():
     ap.add_argument("--profile", action="store_true",
                     help="after the timed runs, profile one run of the same shape (other prompt tokens, so no "
                          "prefix-cache hits): device busy vs idle time and the kernels that take it")
+    ap.add_argument("--trace", metavar="FILE", help="with --profile: write the run's chrome trace to FILE")
     ap.add_argument("--sampler-ab", type=int, default=0, metavar="N",
                     help="after the timed runs, N alternating runs with our sampler and nano-vllm's minimal one")
     args = ap.parse_args()
@@ -277,7 +281,7 @@ def main():
         with open(args.json, "w") as f:
             json.dump(result, f, indent=1)
     if args.profile and device.type == "cuda":
-        profile_run(llm, [[(t + 1) % 10000 for t in p] for p in prompts], params)
+        profile_run(llm, [[(t + 1) % 10000 for t in p] for p in prompts], params, trace=args.trace)
     llm.shutdown()
 
 

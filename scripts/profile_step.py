@@ -1,8 +1,9 @@
 """Where a decode step's time goes on the GPU: wall time per step and the top kernels.
 
-    python scripts/profile_step.py [--batch 256] [--config benchmarks/configs/qwen3-0.6b.json]
+    python scripts/profile_step.py [--batch 256] [--config benchmarks/configs/qwen3-0.6b.json] [--trace DIR]
 """
 import argparse
+import os
 import random
 import time
 
@@ -19,6 +20,8 @@ def main():
     ap.add_argument("--config", default=DEFAULT_CONFIG)
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--temperature", type=float, default=0.6)
+    ap.add_argument("--trace", help="directory for a chrome trace of the profiled steps per batch size "
+                                    "(scripts/trace_gaps.py reads them)")
     args = ap.parse_args()
     llm = random_weight_llm(args.config)
     engine = llm.engine
@@ -37,6 +40,9 @@ def main():
             for _ in range(10):
                 engine.step()
             torch.cuda.synchronize()
+        if args.trace:
+            os.makedirs(args.trace, exist_ok=True)
+            prof.export_chrome_trace(os.path.join(args.trace, f"decode_b{batch}.json"))
         busy = sum(e.self_device_time_total for e in prof.key_averages()
                    if e.device_type == DeviceType.CUDA) / 10 / 1e3
         print(f"\n===== batch {batch}: {per_step * 1e3:.2f} ms/step wall ({batch / per_step:,.0f} tok/s), "

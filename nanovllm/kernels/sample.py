@@ -9,6 +9,8 @@ dtype replaces the float copy, softmax, noise tensor and division of the torch p
 The vocabulary is split across programs (a row alone is too little parallelism for one SM);
 each writes its best (score, index) and a second, tiny pass picks the row's winner.
 """
+from typing import NamedTuple
+
 import torch
 import triton
 import triton.language as tl
@@ -40,10 +42,23 @@ def _row_key(seed, offset):
     return _mix32(lo ^ _mix32(hi ^ (offset.to(tl.uint32) * 0x9E3779B9)))
 
 
+@triton.jit
+def _exponential_from_bits(bits, FAST_LOG: tl.constexpr):
+    # `nanovllm.layers.sampler.exponential_from_bits`: E = -log(1 - w), a series for small w.
+    w = ((bits >> 9).to(tl.float32) + 0.5) * (1.0 / 8388608.0)
+    series = w * (1.0 + w * (0.5 + w * (1.0 / 3.0 + w * 0.25)))
+    if FAST_LOG:  # lg2.approx (GPU only): its ~1e-7 absolute error is < 4e-6 of E >= 0.031 here
+        log_part = -fast_logf(1.0 - w)
+    else:
+        log_part = -tl.log(1.0 - w)
+    return tl.where(w < 1.0 / 32.0, series, log_part)
+
+
 @triton.jit(do_not_specialize=["chunk", "num_splits"])  # batch-dependent: one variant
 def _sample_split_kernel(logits_ptr, stride_row, temps_ptr, row_keys_ptr, seeds_ptr, offsets_ptr,
                          part_score_ptr, part_idx_ptr, vocab_size, chunk, num_splits,
-                         BLOCK: tl.constexpr, SEEDED: tl.constexpr, FAST_LOG: tl.constexpr):
+                         BLOCK: tl.constexpr, SEEDED: tl.constexpr, FAST_LOG: tl.constexpr,
+                         PREFETCH: tl.constexpr):
     pdl_prologue()
     row = tl.program_id(0)
     split = tl.program_id(1)
@@ -60,16 +75,22 @@ def _sample_split_kernel(logits_ptr, stride_row, temps_ptr, row_keys_ptr, seeds_
     base = logits_ptr + row.to(tl.int64) * stride_row
     lo = split * chunk
     hi = tl.minimum(lo + chunk, vocab_size)
+    if PREFETCH:  # the next tile's load is in flight while this tile's noise is computed
+        x_next = tl.load(base + lo + tl.arange(0, BLOCK), mask=lo + tl.arange(0, BLOCK) < hi, other=float("-inf"))
     for start in range(lo, hi, BLOCK):
         cols = start + tl.arange(0, BLOCK)
         mask = cols < hi
-        x = tl.load(base + cols, mask=mask, other=float("-inf")).to(tl.float32)
-        bits = _mix32(_mix32(key ^ cols.to(tl.uint32)) ^ salt)
-        u = ((bits >> 8).to(tl.float32) + 0.5) * (1.0 / 16777216.0)
-        if FAST_LOG:  # lg2.approx-based (GPU only): the pass is compute-bound on the two logs
-            gumbel = -fast_logf(-fast_logf(u))
+        if PREFETCH:
+            x = x_next.to(tl.float32)
+            x_next = tl.load(base + cols + BLOCK, mask=cols + BLOCK < hi, other=float("-inf"))
         else:
-            gumbel = -tl.log(-tl.log(u))
+            x = tl.load(base + cols, mask=mask, other=float("-inf")).to(tl.float32)
+        bits = _mix32(_mix32(key ^ cols.to(tl.uint32)) ^ salt)
+        exp1 = _exponential_from_bits(bits, FAST_LOG)
+        if FAST_LOG:
+            gumbel = -fast_logf(exp1)
+        else:
+            gumbel = -tl.log(exp1)
         score = tl.where(greedy, x, x * inv_t + gumbel)
         score = tl.where(mask, score, float("-inf"))
         better = score > best  # strict: the first of equal scores wins, as in torch.argmax
@@ -98,19 +119,34 @@ def _sample_merge_kernel(part_score_ptr, part_idx_ptr, out_ptr, num_splits, voca
 _MAX_SPLITS = 64
 
 
-def _num_splits(batch: int, vocab_size: int, device: torch.device, block: int) -> int:
-    # ~4 programs per SM, but no split smaller than a few tiles.
-    return max(1, min(triton.cdiv(4 * _device_sms(device), batch), triton.cdiv(vocab_size, 4 * block), _MAX_SPLITS))
+class SampleConfig(NamedTuple):
+    programs_per_sm: int  # splits of the vocabulary: about this many programs per SM
+    block: int            # logits per loop iteration of a program
+    num_warps: int
+    prefetch: bool        # load tile i + 1 before the noise of tile i
+    fast_log: bool        # lg2.approx logs (GPU only): changes a draw only where two scores tie to ~1e-6
+
+
+# Measured on the H200 (scripts/bench_sample.py, 151,936-token vocabulary): the pass is bound by the
+# noise's instructions, and approximate logs halve it (256 rows: 151 -> 78 us; 64 rows: 42 -> 23 us).
+DEFAULT_SAMPLE_CONFIG = SampleConfig(16, 1024, 4, True, True)
+
+
+def _num_splits(batch: int, vocab_size: int, device: torch.device, config: SampleConfig) -> int:
+    # ~programs_per_sm programs per SM, but no split smaller than a few tiles.
+    return max(1, min(triton.cdiv(config.programs_per_sm * _device_sms(device), batch),
+                      triton.cdiv(vocab_size, 4 * config.block), _MAX_SPLITS))
 
 
 def sample_rows(logits: torch.Tensor, temperatures: torch.Tensor, row_keys: torch.Tensor | None,
                 out: torch.Tensor | None = None, seeds: torch.Tensor | None = None,
-                offsets: torch.Tensor | None = None, _fast_log: bool = False) -> torch.Tensor:
+                offsets: torch.Tensor | None = None, _config: SampleConfig | None = None) -> torch.Tensor:
     """logits [B, V] (any float dtype, unit stride on V); temperatures [B] float32 (0: greedy);
     row_keys [B] int64 from `nanovllm.layers.sampler.row_keys`, or None with seeds and offsets
     [B] int64 to derive them in the kernel (same keys). Returns [B] int64 token ids.
-    _fast_log (GPU only, for scripts/bench_sample.py until measured): approximate logs for the noise,
-    which changes a draw only where two scores tie to ~1e-6."""
+    _config: another `SampleConfig`, for scripts/bench_sample.py. On the GPU the default draws with
+    approximate logs: a row can then differ from the torch sampler's draw where its two best scores
+    tie to ~1e-5 (the noise's float error), never otherwise."""
     batch, vocab_size = logits.shape
     seeded = row_keys is None
     assert not seeded or (seeds is not None and offsets is not None)
@@ -119,9 +155,11 @@ def sample_rows(logits: torch.Tensor, temperatures: torch.Tensor, row_keys: torc
         out = torch.empty(batch, dtype=torch.int64, device=logits.device)
     if batch == 0:
         return out
-    block = 1024
-    splits = _num_splits(batch, vocab_size, logits.device, block)
-    chunk = triton.cdiv(triton.cdiv(vocab_size, splits), block) * block
+    config = _config or DEFAULT_SAMPLE_CONFIG
+    if config.fast_log and (not logits.is_cuda or fast_logf is None):  # the interpreter has no lg2.approx
+        config = config._replace(fast_log=False)
+    splits = _num_splits(batch, vocab_size, logits.device, config)
+    chunk = triton.cdiv(triton.cdiv(vocab_size, splits), config.block) * config.block
     splits = triton.cdiv(vocab_size, chunk)
     part_score = torch.empty(batch, splits, dtype=torch.float32, device=logits.device)
     part_idx = torch.empty(batch, splits, dtype=torch.int32, device=logits.device)
@@ -129,8 +167,8 @@ def sample_rows(logits: torch.Tensor, temperatures: torch.Tensor, row_keys: torc
     _sample_split_kernel[(batch, splits)](logits, logits.stride(0), temperatures, keys,
                                           seeds if seeded else keys, offsets if seeded else keys,
                                           part_score, part_idx, vocab_size, chunk, splits,
-                                          BLOCK=block, SEEDED=seeded, FAST_LOG=_fast_log, num_warps=4,
-                                          **PDL_LAUNCH)
+                                          BLOCK=config.block, SEEDED=seeded, FAST_LOG=config.fast_log,
+                                          PREFETCH=config.prefetch, num_warps=config.num_warps, **PDL_LAUNCH)
     _sample_merge_kernel[(batch,)](part_score, part_idx, out, splits, vocab_size,
                                    BLOCK_S=_MAX_SPLITS, num_warps=1, **PDL_LAUNCH)  # one variant for any batch
     return out

@@ -120,13 +120,30 @@ def row_keys(seeds: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
     return _mix32((seeds & _M32) ^ _mix32(((seeds >> 32) & _M32) ^ ((offsets * 0x9E3779B9) & _M32)))
 
 
+_SERIES_BELOW = 1.0 / 32  # the series' relative error there is below 2^-22
+
+
+def exponential_from_bits(bits: torch.Tensor) -> torch.Tensor:
+    """Exp(1) draws from uniform uint32 hashes (in int64), as float32 in (0, 17).
+
+    E = -log(1 - w) with w = (k + 0.5) / 2^23, k the top 23 bits: w is exact in float32 and never 0
+    or 1, and the small E that win the race (w near 0) come from a series rather than from the log
+    of a number that rounds to 1. (`u = (k + 0.5) / 2^24` rounded k = 2^24 - 1 to u = 1, E = -0.0:
+    in ~1% of the rows the Gumbel form -log(E) made one token win regardless of its probability.)"""
+    w = ((bits >> 9).to(torch.float32) + 0.5) * (1.0 / (1 << 23))
+    series = w * (1.0 + w * (0.5 + w * (1.0 / 3.0 + w * 0.25)))  # -log(1 - w) to ~w^5 / 5
+    return torch.where(w < _SERIES_BELOW, series, -torch.log(1.0 - w))
+
+
+def _noise_bits(keys: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
+    """[F, K] hashes of the token ids of each row ([F] keys, [F, K] or [1, K] ids)."""
+    return _mix32(_mix32(keys[:, None] ^ token_ids) ^ (keys[:, None] >> 7))
+
+
 def exponential_noise(seeds: torch.Tensor, offsets: torch.Tensor, vocab_size: int) -> torch.Tensor:
     """[B, V] float32 Exp(1) draws determined by (seed, offset, token id) alone."""
-    row = row_keys(seeds, offsets)
     cols = _vocab_ids(vocab_size, seeds.device)
-    bits = _mix32(_mix32(row[:, None] ^ cols[None, :]) ^ (row[:, None] >> 7))
-    u = ((bits >> 8).to(torch.float32) + 0.5) * (1.0 / (1 << 24))  # in (0, 1)
-    return -torch.log(u)
+    return exponential_from_bits(_noise_bits(row_keys(seeds, offsets), cols[None, :]))
 
 
 def _token_counts(tokens: torch.Tensor, lens: torch.Tensor, vocab_size: int) -> torch.Tensor:
@@ -185,9 +202,7 @@ def _top_k_top_p(x: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tenso
 def _gumbel(keys: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
     """Gumbel noise -log(E) at the given token ids of each row ([F] keys, [F, K] ids): the values
     `exponential_noise` gives those tokens, so a draw among candidates matches the full draw."""
-    bits = _mix32(_mix32(keys[:, None] ^ token_ids) ^ (keys[:, None] >> 7))
-    u = ((bits >> 8).to(torch.float32) + 0.5) * (1.0 / (1 << 24))
-    return -torch.log(-torch.log(u))
+    return -torch.log(exponential_from_bits(_noise_bits(keys, token_ids)))
 
 
 def _sample_top_k(x: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor | None, max_top_k: int,
