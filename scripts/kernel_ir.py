@@ -18,6 +18,7 @@ from triton.compiler import ASTSource
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 from nanovllm.kernels.gemm import _gemm_kernel  # noqa: E402
 from nanovllm.kernels.paged_decode import _decode_split_kernel  # noqa: E402
+from nanovllm.kernels.paged_prefill import _prefill_kernel  # noqa: E402
 
 _DECODE_PTRS = {"q_ptr": "*bf16", "k_cache_ptr": "*bf16", "v_cache_ptr": "*bf16", "block_tables_ptr": "*i32",
                 "seq_lens_ptr": "*i32", "order_ptr": "*i32", "out_ptr": "*bf16", "part_o_ptr": "*fp32",
@@ -52,6 +53,14 @@ def main():
                 _decode_split_kernel, consts, _DECODE_PTRS.get,
                 lambda n: (n.startswith("stride") and n != "stride_bt") or n == "num_q_heads", 4, stages)
             print(f"  PREFETCH_BLOCKS={prefetch!s:5} num_stages={stages}: shared {shared:6d} B, buffers {buffers}")
+    print("paged prefill (Qwen3-0.6B: GQA 2, D=128, block 256, BLOCK_M=128, BLOCK_N=64, 8 warps)")
+    for stages in (2, 3, 4):
+        consts = dict(GROUP=2, BLOCK_Q=64, BLOCK_M=128, BLOCK_N=64, HEAD_DIM=128, BLOCK_D=128, PAGE_SIZE=256,
+                      DOT_PREC="tf32")
+        shared, buffers = compile_sm90(
+            _prefill_kernel, consts, lambda n: "*i32" if n in ("cu_seqlens_q_ptr", "seq_lens_ptr", "block_tables_ptr")
+            else "*bf16", lambda n: n.startswith("stride") and n != "stride_bt", 8, stages)
+        print(f"  num_stages={stages}: shared {shared:6d} B, buffers {buffers}")
     print("decode GEMM (split-K partials, M<=16 tile)")
     for stages in (2, 3):
         consts = dict(K_SPLIT=512, BM=16, BN=32, BK=128, GATED=False, PARTIALS=True)

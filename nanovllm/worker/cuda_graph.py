@@ -18,6 +18,7 @@ import numpy as np
 import torch
 
 from nanovllm.attention.base import AttentionMetadata
+from nanovllm.worker.inputs import TransferSlots
 
 
 def batch_size_ladder(max_bs: int) -> list[int]:
@@ -44,23 +45,21 @@ class PackedInputs:
         self._host_buffers = [torch.zeros(total, dtype=torch.uint8, pin_memory=True) for _ in range(num_host_buffers)]
         self._host_views = [{name: self._view(buf, name, dtype, shape).numpy()
                              for name, (dtype, shape) in fields.items()} for buf in self._host_buffers]
-        self._events = [torch.cuda.Event() for _ in range(num_host_buffers)]
-        self._next = self._current = 0
+        self._slots = TransferSlots(num_host_buffers)
+        self._current = 0
 
     def _view(self, buffer, name, dtype, shape):
         start = self.offsets[name]
         return buffer[start:start + self._sizes[name]].view(dtype).view(shape)
 
     def host(self) -> dict[str, np.ndarray]:
-        i = self._current = self._next
-        self._next = (i + 1) % len(self._host_buffers)
-        self._events[i].synchronize()  # its last copy is long done in practice
-        return self._host_views[i]
+        self._current = self._slots.take()
+        return self._host_views[self._current]
 
     def send(self, nbytes: int):
         i = self._current
         self.device_buffer[:nbytes].copy_(self._host_buffers[i][:nbytes], non_blocking=True)
-        self._events[i].record()
+        self._slots.copied(i)
 
 
 class CUDAGraphRunner:

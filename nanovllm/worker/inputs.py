@@ -152,16 +152,35 @@ _TORCH_DTYPES = {np.dtype(np.int64): torch.int64, np.dtype(np.int32): torch.int3
                  np.dtype(np.float32): torch.float32}
 
 
+class TransferSlots:
+    """Pinned host buffers reused in rotation for asynchronous copies, each guarded by the event
+    recorded behind its last copy: `take()` hands out the next slot once that copy is done (long
+    done in practice: a slot comes round only every `count` steps), `copied(i)` records the event
+    right after slot i's copy has been queued and returns it (to wait for a device-to-host copy)."""
+
+    def __init__(self, count: int):
+        self._events = [torch.cuda.Event() for _ in range(count)]
+        self._next = 0
+
+    def take(self) -> int:
+        i, self._next = self._next, (self._next + 1) % len(self._events)
+        self._events[i].synchronize()  # returns at once for a never-recorded event
+        return i
+
+    def copied(self, i: int):
+        self._events[i].record()
+        return self._events[i]
+
+
 class HostToDevice:
     """Moves a step's host arrays to the device in ONE asynchronous copy: the arrays are packed
-    into a reused pinned buffer (a few in rotation, so a buffer is only rewritten once its last
-    copy is long done) and come back as views of one device buffer."""
+    into a reused pinned buffer (`TransferSlots`) and come back as views of one device buffer."""
 
     def __init__(self, device: torch.device, num_buffers: int = 4):
         self.device = device
-        self._buffers: list[torch.Tensor | None] = [None] * num_buffers
-        self._events: list = [None] * num_buffers
-        self._next = 0
+        if device.type == "cuda":
+            self._slots = TransferSlots(num_buffers)
+            self._buffers: list[torch.Tensor | None] = [None] * num_buffers
 
     def __call__(self, *arrays: np.ndarray) -> list[torch.Tensor]:
         if self.device.type != "cuda":
@@ -170,9 +189,7 @@ class HostToDevice:
         for a in arrays:
             offsets.append(total)
             total += -(-a.nbytes // 16) * 16  # 16-byte alignment for every view
-        i, self._next = self._next, (self._next + 1) % len(self._buffers)
-        if self._events[i] is not None:
-            self._events[i].synchronize()
+        i = self._slots.take()
         buf = self._buffers[i]
         if buf is None or buf.numel() < total:
             buf = self._buffers[i] = torch.empty(max(2 * total, 1 << 16), dtype=torch.uint8, pin_memory=True)
@@ -180,8 +197,7 @@ class HostToDevice:
         for a, off in zip(arrays, offsets):
             host[off:off + a.nbytes] = np.ascontiguousarray(a).view(np.uint8).reshape(-1)
         dev = buf[:total].to(self.device, non_blocking=True)
-        self._events[i] = torch.cuda.Event()
-        self._events[i].record()
+        self._slots.copied(i)
         return [dev[off:off + a.nbytes].view(_TORCH_DTYPES[a.dtype]).view(a.shape) for a, off in zip(arrays, offsets)]
 
 

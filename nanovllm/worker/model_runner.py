@@ -12,7 +12,8 @@ from nanovllm.engine.scheduler import ScheduledBatch
 from nanovllm.engine.sequence import Sequence
 from nanovllm.layers.sampler import LogprobsLists, Sampler, SamplerOutput
 from nanovllm.models.loader import build_model, init_dummy_weights, load_weights
-from nanovllm.worker.inputs import HostInputs, HostToDevice, build_host_inputs, fill_decode_inputs, to_device
+from nanovllm.worker.inputs import (HostInputs, HostToDevice, TransferSlots, build_host_inputs, fill_decode_inputs,
+                                    to_device)
 from nanovllm.worker.sampling_inputs import build_sampling_metadata
 
 _CPU_DEFAULT_KV_BYTES = 512 << 20
@@ -53,16 +54,13 @@ class PinnedTokenRing:
 
     def __init__(self, max_rows: int, size: int = 4):
         self._buffers = [torch.zeros(max_rows, dtype=torch.int64, pin_memory=True) for _ in range(size)]
-        self._events = [torch.cuda.Event() for _ in range(size)]
-        self._next = 0
+        self._slots = TransferSlots(size)
 
     def copy(self, seqs: list[Sequence], tokens: torch.Tensor) -> StepOutput:
-        i = self._next
-        self._next = (i + 1) % len(self._buffers)
+        i = self._slots.take()
         host = self._buffers[i][:tokens.shape[0]]
         host.copy_(tokens, non_blocking=True)
-        self._events[i].record()
-        return StepOutput(seqs, None, SamplerOutput(host), self._events[i])
+        return StepOutput(seqs, None, SamplerOutput(host), self._slots.copied(i))
 
 
 class ModelRunner:

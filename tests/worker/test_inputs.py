@@ -1,5 +1,6 @@
 """Host-side batch flattening: slots, block tables and sampling rows for mixed batches."""
 import numpy as np
+import pytest
 import torch
 
 from nanovllm.engine.scheduler import ScheduledBatch
@@ -88,3 +89,21 @@ def test_plain_sampling_flag():
                    SamplingParams(presence_penalty=0.5), SamplingParams(repetition_penalty=1.1),
                    SamplingParams(logprobs=0), SamplingParams(min_tokens=3)):
         assert not Sequence([1], params, seed=0).plain_sampling, params
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="pinned transfers and events need a GPU")
+def test_transfer_slots_rotate_and_wait_for_their_last_copy():
+    from nanovllm.worker.inputs import TransferSlots
+    slots = TransferSlots(3)
+    device_buf = torch.zeros(1 << 20, device="cuda")
+    hosts = [torch.empty(1 << 20, pin_memory=True) for _ in range(3)]
+    taken = []
+    for step in range(7):
+        i = slots.take()
+        taken.append(i)
+        hosts[i].fill_(step)  # take() returned: slot i's previous copy has completed
+        device_buf.copy_(hosts[i], non_blocking=True)
+        event = slots.copied(i)
+        event.synchronize()
+        assert device_buf[0].item() == step
+    assert taken == [0, 1, 2, 0, 1, 2, 0]
