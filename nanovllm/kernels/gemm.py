@@ -22,6 +22,10 @@ import triton.language as tl
 from nanovllm.kernels.pdl import PDL_LAUNCH, pdl_prologue
 
 _MAX_SPLITK_M = 128  # measured: from 256 rows on, cuBLAS has enough tiles and the partials cost more
+# Split-K is for narrow outputs, where cuBLAS has too few output tiles to fill the GPU. Measured with
+# bench.py on the H200: Qwen3-0.6B's o/down (N=1024) gain; Qwen3-8B's (N=4096) lose: 9,458 tok/s with
+# split-K against 9,813 without (every decode bucket from 16 to 127 rows slower with it).
+_MAX_SPLITK_N = 2048
 # Measured (scripts/bench_decode_gemm.py, H200, Qwen3-0.6B qkv / gate_up): up to this many rows our
 # dense and gated forms beat cuBLAS (+ SiLU-and-mul); at 64 rows cuBLAS ties or wins.
 _MAX_DENSE_M = 16
@@ -137,11 +141,11 @@ def partial_linear(x: torch.Tensor, weight: torch.Tensor, config: GemmConfig) ->
 
 def splitk_config(m: int, n: int, k: int) -> GemmConfig | None:
     """The split-K configuration for an [m, k] x [k, n] product, or None when split-K does not pay
-    (m past _MAX_SPLITK_M, or a k that does not divide into slices). A fixed table (from
-    scripts/bench_decode_gemm.py on the H200, o_proj/down_proj of Qwen3-0.6B behind the kernels
-    that precede them, where 4 slices of BK=128 won at every batch size); host-only, so CUDA-graph
-    capture never benchmarks."""
-    if m > _MAX_SPLITK_M or m == 0:
+    (m past _MAX_SPLITK_M, n past _MAX_SPLITK_N, or a k that does not divide into slices). A fixed
+    table (from scripts/bench_decode_gemm.py on the H200, o_proj/down_proj of Qwen3-0.6B behind the
+    kernels that precede them, where 4 slices of BK=128 won at every batch size); host-only, so
+    CUDA-graph capture never benchmarks."""
+    if m > _MAX_SPLITK_M or m == 0 or n > _MAX_SPLITK_N:
         return None
     bm = 16 if m <= 16 else (32 if m <= 32 else (64 if m <= 64 else 128))
     bn = 128 if 16 < m <= 32 else 32

@@ -80,6 +80,7 @@ def test_splitk_partials_sum_to_the_product(m, k, n, dtype, device, gen):
 
 def test_splitk_config_limits():
     assert splitk_config(256, 1024, 2048) is None  # large batches: cuBLAS
+    assert splitk_config(16, 4096, 4096) is None  # wide outputs (Qwen3-8B's o_proj): cuBLAS has the tiles
     assert splitk_config(16, 1024, 100) is None  # K does not split into 128-wide slices
     splits, bm, bn, bk, _, _ = splitk_config(8, 1024, 3072)
     assert 3072 % (splits * bk) == 0 and splits > 1 and bm == 16
