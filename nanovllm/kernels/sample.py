@@ -124,7 +124,7 @@ class SampleConfig(NamedTuple):
     block: int            # logits per loop iteration of a program
     num_warps: int
     prefetch: bool        # load tile i + 1 before the noise of tile i
-    fast_log: bool        # lg2.approx logs (GPU only): changes a draw only where two scores tie to ~1e-6
+    fast_log: bool        # lg2.approx logs (GPU only): changes a draw only where two scores tie to ~1e-5
 
 
 # Measured on the H200 (scripts/bench_sample.py, 151,936-token vocabulary): the pass is bound by the
