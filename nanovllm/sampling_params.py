@@ -2,6 +2,7 @@
 from dataclasses import dataclass, field
 
 _INT32_MAX = 2**31 - 1
+GREEDY_BELOW = 1e-5  # temperatures below this draw greedily (the argmax)
 
 
 @dataclass
@@ -66,7 +67,7 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature < 1e-5
+        return self.temperature < GREEDY_BELOW
 
     @property
     def uses_filters(self) -> bool:

@@ -12,6 +12,7 @@ import torch
 from nanovllm.attention.base import AttentionMetadata
 from nanovllm.engine.scheduler import ScheduledBatch
 from nanovllm.engine.sequence import Sequence
+from nanovllm.sampling_params import GREEDY_BELOW
 
 
 @dataclass
@@ -89,7 +90,7 @@ def build_host_inputs(batch: ScheduledBatch, block_size: int,
     )
 
 
-_U64 = (1 << 64) - 1
+SEED_MASK = (1 << 64) - 1  # a seed is any Python int; the noise hash sees its low 64 bits
 
 
 def fill_decode_inputs(views: dict[str, np.ndarray], seqs: list[Sequence], padded: int, block_size: int,
@@ -133,9 +134,9 @@ def fill_decode_inputs(views: dict[str, np.ndarray], seqs: list[Sequence], padde
 
     temps = views["temperatures"]
     temps[:n] = np.fromiter((s.sampling_params.temperature for s in seqs), np.float32, n)
-    temps[:n][temps[:n] < 1e-5] = 0.0  # greedy, as in build_sampling_metadata
+    temps[:n][temps[:n] < GREEDY_BELOW] = 0.0  # greedy rows, as SamplingParams.greedy
     temps[n:padded] = 0.0
-    views["seeds"][:n] = np.fromiter((s.seed & _U64 for s in seqs), np.uint64, n).view(np.int64)
+    views["seeds"][:n] = np.fromiter((s.seed & SEED_MASK for s in seqs), np.uint64, n).view(np.int64)
     views["offsets"][:n] = np.fromiter((len(s.token_ids) - s.num_prompt_tokens for s in seqs), np.int64, n)
     views["seeds"][n:padded] = 0
     views["offsets"][n:padded] = 0

@@ -217,7 +217,7 @@ class ModelRunner:
         if self.graph_runner is not None:
             # Where the graphs look for the previous step's tokens (prev_rows index this buffer).
             sampled.token_ids = self.graph_runner.sampled[:len(seqs)].copy_(sampled.token_ids)
-        self._remember_sampled(seqs, sampled.token_ids if self.graph_runner is None else self.graph_runner.sampled)
+        self._remember_sampled(seqs, sampled.token_ids)
         return StepOutput(seqs, sampled)
 
     def _remember_sampled(self, seqs: list[Sequence], tokens: torch.Tensor):

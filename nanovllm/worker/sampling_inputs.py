@@ -8,9 +8,8 @@ import torch
 
 from nanovllm.engine.sequence import Sequence
 from nanovllm.layers.sampler import PenaltyInputs, SamplingMetadata, _mix32
-from nanovllm.worker.inputs import _to_device
+from nanovllm.worker.inputs import SEED_MASK, _to_device
 
-_U64 = (1 << 64) - 1
 _M32 = np.uint64(0xFFFFFFFF)
 
 
@@ -36,8 +35,8 @@ def build_sampling_metadata(seqs: list[Sequence], device: torch.device, eos_toke
         sp = seq.sampling_params
         num_out = seq.num_completion_tokens
         offsets[i] = num_out
-        seeds[i] = seq.seed & _U64  # any Python int; the noise hash only sees the 64 bits
-        if sp.temperature < 1e-5:
+        seeds[i] = seq.seed & SEED_MASK
+        if sp.greedy:
             temps[i] = 0.0  # greedy rows skip the filters: they cannot change an argmax
         else:
             temps[i] = sp.temperature
