@@ -42,11 +42,13 @@ def _rms_norm_kernel(
     eps,
     N: tl.constexpr, BLOCK: tl.constexpr, HAS_RES: tl.constexpr, NUM_PARTS: tl.constexpr,
 ):
-    pdl_prologue()
     # One program per token row; the whole row lives in registers (BLOCK = next_pow2(N)).
     row = tl.program_id(0).to(tl.int64)  # int64: row * stride can exceed 2^31 at long prefills
     cols = tl.arange(0, BLOCK)
     mask = cols < N  # N is constexpr: when BLOCK == N the mask folds away (vector accesses)
+    # The weight is no predecessor's output: read it before the programmatic-launch wait.
+    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    pdl_prologue()
     if NUM_PARTS > 0:
         # The projection's output = the sum of its partials, rounded as a GEMM would round it.
         x = tl.zeros([BLOCK], tl.float32)
@@ -68,7 +70,6 @@ def _rms_norm_kernel(
     # (res_ptr has the activation dtype: it is x_ptr itself without a residual, and x_ptr holds
     # fp32 partials with NUM_PARTS > 0.)
     xn = (x * tl.rsqrt(var + eps)).to(res_ptr.dtype.element_ty).to(tl.float32)
-    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
     tl.store(y_ptr + row * stride_y + cols, (xn * w).to(y_ptr.dtype.element_ty), mask=mask)
 
 

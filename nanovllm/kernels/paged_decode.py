@@ -62,7 +62,9 @@ def _decode_split_kernel(
     # tile in flight. Carried, num_stages=3 gives two buffers (72 KB of shared memory instead of 39).
     PREFETCH_BLOCKS: tl.constexpr,
 ):
-    pdl_prologue()
+    # Everything up to the first tile's block ids comes from the step's inputs, not from the
+    # previous kernel: it is read before the programmatic-dependent-launch wait (pdl_prologue),
+    # so this chain of dependent loads overlaps the predecessor's tail.
     # The head axis varies fastest so that all heads of one sequence are dispatched together.
     if HAS_ORDER:
         b = tl.load(order_ptr + tl.program_id(1))
@@ -84,6 +86,12 @@ def _decode_split_kernel(
     start = split * chunk
     end = tl.minimum(start + chunk, seq_len)
 
+    bt_row = block_tables_ptr + b.to(tl.int64) * stride_bt
+    offs_n = tl.arange(0, BLOCK_N)
+    if PREFETCH_BLOCKS:
+        blk_next = tl.load(bt_row + (start + offs_n) // PAGE_SIZE, mask=start + offs_n < end, other=0)
+    pdl_prologue()  # q (and the newest K/V in the cache) come from the previous kernels
+
     q = tl.load(q_ptr + b * stride_qb + q_head[:, None] * stride_qh + d[None, :],
                 mask=g_mask[:, None] & d_mask[None, :], other=0.0)
 
@@ -91,12 +99,8 @@ def _decode_split_kernel(
     l_i = tl.zeros([BLOCK_G], tl.float32)
     acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
 
-    bt_row = block_tables_ptr + b.to(tl.int64) * stride_bt
     k_head = k_cache_ptr + kv_head * stride_kh
     v_head = v_cache_ptr + kv_head * stride_vh
-    offs_n = tl.arange(0, BLOCK_N)
-    if PREFETCH_BLOCKS:
-        blk_next = tl.load(bt_row + (start + offs_n) // PAGE_SIZE, mask=start + offs_n < end, other=0)
     for n0 in range(start, end, BLOCK_N):
         pos = n0 + offs_n
         n_mask = pos < end

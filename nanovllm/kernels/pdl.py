@@ -2,10 +2,14 @@
 predecessor in the stream is still finishing, so a decode step's ~300 short kernels do not each
 pay the launch latency and block scheduling after the previous one has drained.
 
-Every kernel starts with `pdl_prologue()`: wait until the predecessor has completed and its
-writes are visible (griddepcontrol.wait, before this kernel touches memory), then allow the
+Every kernel calls `pdl_prologue()` before it reads anything a previous kernel wrote: wait until
+the predecessor has completed and its writes are visible (griddepcontrol.wait), then allow the
 successor to be launched early. Waiting first keeps the stream's ordering exact for every
-kernel, ours or not; only launch and scheduling overlap. Launch sites pass `**PDL_LAUNCH`. CUDA
+kernel, ours or not; only launch and scheduling overlap. What no kernel writes (weights, the
+step's inputs copied from the host) may be read before the wait: a kernel launched early starts
+only once its predecessor is running past its own wait (or, not launched this way, running at
+all), so every older kernel and copy has completed (decode attention reads its block ids and
+RMSNorm its weight that way). Launch sites pass `**PDL_LAUNCH`. CUDA
 graphs keep these edges. Off under the Triton interpreter, on older GPUs, or with NANOVLLM_PDL=0.
 """
 import os
