@@ -17,6 +17,7 @@ import torch
 import triton.testing
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+from nanovllm.kernels import reference as ref  # noqa: E402
 from nanovllm.kernels.paged_prefill import _prefill_config, paged_prefill_attention  # noqa: E402
 
 HQ, HKV, D, PAGE, BUDGET = 16, 8, 128, 256, 16384
@@ -25,31 +26,23 @@ CONFIGS = [(128, 64, 8, 3), (128, 64, 8, 2), (128, 64, 8, 4), (128, 128, 8, 2), 
 
 
 def make_case(q_lens, seq_lens):
+    """Shuffled paged caches holding the sequences (the kernel tests' builder), queries, layout."""
     dev, dt = "cuda", torch.bfloat16
-    blocks = [-(-n // PAGE) for n in seq_lens]
-    num_blocks = sum(blocks) + 4
-    k_cache = torch.randn(num_blocks, PAGE, HKV, D, dtype=dt, device=dev)
-    v_cache = torch.randn_like(k_cache)
-    perm = torch.randperm(num_blocks, device=dev, dtype=torch.int32)
-    tables = torch.zeros(len(seq_lens), max(blocks), dtype=torch.int32, device=dev)
-    used = 0
-    for i, nb in enumerate(blocks):
-        tables[i, :nb] = perm[used:used + nb]
-        used += nb
+    k_cache, v_cache, tables = ref.random_paged_kv(seq_lens, HKV, D, PAGE, dt, dev, poison=False)
     cu = torch.tensor([0] + list(torch.tensor(q_lens).cumsum(0)), dtype=torch.int32, device=dev)
     lens = torch.tensor(seq_lens, dtype=torch.int32, device=dev)
     q = torch.randn(sum(q_lens), HQ, D, dtype=dt, device=dev)
-    return q, k_cache, v_cache, cu, lens, tables, blocks
+    return q, k_cache, v_cache, cu, lens, tables
 
 
 def sweep(name, q_lens, seq_lens, configs):
-    q, k_cache, v_cache, cu, lens, tables, _ = make_case(q_lens, seq_lens)
+    q, k_cache, v_cache, cu, lens, tables = make_case(q_lens, seq_lens)
     scale, max_q = D ** -0.5, max(q_lens)
     # the causal part of QK^T and PV: query i of a sequence with prefix p sees p + i + 1 keys
     flops = sum(2 * 2 * HQ * D * (ql * (n - ql) + ql * (ql + 1) / 2) for ql, n in zip(q_lens, seq_lens))
     print(f"{name}: {len(q_lens)} sequences, {sum(q_lens)} query tokens, {flops / 1e12:.3f} TFLOP; "
           f"default config {_prefill_config(D, HQ // HKV, max_q)}")
-    ref = paged_prefill_attention(q, k_cache, v_cache, cu, lens, tables, max_q, scale)
+    expect = paged_prefill_attention(q, k_cache, v_cache, cu, lens, tables, max_q, scale)
     for cfg in configs:
         fn = lambda: paged_prefill_attention(q, k_cache, v_cache, cu, lens, tables, max_q, scale, _config=cfg)  # noqa: E731
         try:
@@ -58,10 +51,10 @@ def sweep(name, q_lens, seq_lens, configs):
         except Exception as e:  # noqa: BLE001 (a config the compiler rejects)
             print(f"  {cfg}: {type(e).__name__} {str(e)[:100]}")
             continue
-        err = (out.float() - ref.float()).abs().max().item()
+        err = (out.float() - expect.float()).abs().max().item()
         print(f"  BLOCK_M, BLOCK_N, warps, stages = {cfg}: {ms * 1e3:7.1f} us  {flops / ms / 1e9:6.1f} TFLOP/s  "
               f"max|diff| {err:.3g}", flush=True)
-    return q, k_cache, v_cache, cu, lens, tables, ref
+    return q, k_cache, v_cache, cu, tables, expect
 
 
 def main():
@@ -73,12 +66,11 @@ def main():
             break
         batch.append(n)
         total += n
-    q, k_cache, v_cache, cu, _, tables, ref = sweep("benchmark prefill", batch, batch, CONFIGS)
+    q, k_cache, v_cache, cu, tables, expect = sweep("benchmark prefill", batch, batch, CONFIGS)
     short = CONFIGS[:1] + [c for c in CONFIGS if c in ((256, 64, 16, 3), (64, 64, 4, 3), (128, 64, 8, 2))]
     sweep("8 x 2048", [2048] * 8, [2048] * 8, short)
     sweep("1 x 8192", [8192], [8192], short)
     sweep("4 x 512 on a 3584-token prefix", [512] * 4, [4096] * 4, short)
-    blocks = [-(-n // PAGE) for n in batch]
     flops = sum(2 * 2 * HQ * D * n * (n + 1) / 2 for n in batch)
     try:
         import inspect
@@ -91,14 +83,14 @@ def main():
     print(f"varlen_attn{inspect.signature(varlen_attn)}")
     causal = {"is_causal": True} if "is_causal" in params else {"window_size": (-1, 0)}
     # contiguous K/V of the same tokens (what a prefill without cached prefix could pass)
-    k = torch.cat([k_cache[tables[i, :nb]].reshape(-1, HKV, D)[:n] for i, (n, nb) in enumerate(zip(batch, blocks))])
-    v = torch.cat([v_cache[tables[i, :nb]].reshape(-1, HKV, D)[:n] for i, (n, nb) in enumerate(zip(batch, blocks))])
+    k = torch.cat([ref.gather_kv(k_cache, tables[i], n) for i, n in enumerate(batch)])
+    v = torch.cat([ref.gather_kv(v_cache, tables[i], n) for i, n in enumerate(batch)])
     for name, kk, vv in (("GQA", k, v), ("K/V repeated to 16 heads", k.repeat_interleave(2, 1), v.repeat_interleave(2, 1))):
         try:
             fn = lambda: varlen_attn(q, kk, vv, cu, cu, max(batch), max(batch), **causal)  # noqa: E731
             out = fn()
             ms = triton.testing.do_bench(fn, rep=100)
-            err = (out.float() - ref.float()).abs().max().item()
+            err = (out.float() - expect.float()).abs().max().item()
             print(f"  varlen_attn ({name}): {ms * 1e3:7.1f} us  {flops / ms / 1e9:6.1f} TFLOP/s  max|diff| {err:.3g}")
         except Exception as e:  # noqa: BLE001
             print(f"  varlen_attn ({name}): {type(e).__name__} {str(e)[:200]}")
