@@ -257,9 +257,9 @@ def _qk_norm_rope_kernel(
     HAS_NORM: tl.constexpr, HALF: tl.constexpr, BLOCK_HALF: tl.constexpr,
     G: tl.constexpr, NQG: tl.constexpr, STORE_KV: tl.constexpr,
 ):
-    pdl_prologue()
     # grid = (T, NQG + NKG): axis 1 picks a group of G heads, the first NQG groups are q's.
-    # One launch for q and k; the token's cos/sin row is loaded once per program.
+    # One launch for q and k; the token's cos/sin row is loaded once per program. Positions and
+    # the cos/sin table are step inputs and constants: read before the programmatic-launch wait.
     t = tl.program_id(0).to(tl.int64)
     g = tl.program_id(1)
     pos = tl.load(pos_ptr + t).to(tl.int64)
@@ -267,6 +267,7 @@ def _qk_norm_rope_kernel(
     cmask = d < HALF
     cos = tl.load(cs_ptr + pos * stride_cs + d, mask=cmask, other=0.0).to(tl.float32)[None, :]
     sin = tl.load(cs_ptr + pos * stride_cs + HALF + d, mask=cmask, other=0.0).to(tl.float32)[None, :]
+    pdl_prologue()
     out_ty = qo_ptr.dtype.element_ty  # q's and k's output dtype (the same)
     if g < NQG:
         _norm_rope_heads(q_ptr + t * stride_qt, qo_ptr + t * stride_qot, qw_ptr, stride_qh, stride_qoh,

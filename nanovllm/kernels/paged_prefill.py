@@ -94,7 +94,7 @@ def _prefill_kernel(
     PAGE_SIZE: tl.constexpr,
     DOT_PREC: tl.constexpr,
 ):
-    pdl_prologue()
+    # The layout (step inputs, no kernel's output) is read before the programmatic-launch wait.
     b = tl.program_id(0) // num_kv_heads
     kv_head = tl.program_id(0) % num_kv_heads
     tile = tl.num_programs(1) - 1 - tl.program_id(1)  # heaviest (latest) tiles first
@@ -106,6 +106,7 @@ def _prefill_kernel(
         return
     seq_len = tl.load(seq_lens_ptr + b)
     prefix = seq_len - q_len  # keys already cached before this chunk
+    pdl_prologue()
 
     # Row r <-> (token first_tok + r // GROUP, head kv_head * GROUP + r % GROUP).
     r = tl.arange(0, BLOCK_M)
