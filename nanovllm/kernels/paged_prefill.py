@@ -159,8 +159,10 @@ def _prefill_config(head_dim: int, group: int, max_query_len: int):
         block_m, num_warps = 32, 4
     elif rows <= 64:
         block_m, num_warps = 64, 4
-    else:  # 2 warpgroups x m64 wgmma on Hopper; 4 warps would need ~250 regs/thread
-        block_m, num_warps = 128, 8
+    elif rows <= 256 or triton.next_power_of_2(head_dim) > 128:
+        block_m, num_warps = 128, 8  # 2 warpgroups x m64 wgmma on Hopper; 4 warps would need ~250 regs/thread
+    else:  # long prompts: 4 warpgroups; measured 13-21% faster than 128 rows (scripts/tune_prefill.py)
+        block_m, num_warps = 256, 16
     block_m = max(block_m, triton.next_power_of_2(group))
     if block_d <= 128:
         block_n, num_stages = 64, 3
