@@ -202,34 +202,40 @@ def _head_tile(h0, H, HALF: tl.constexpr, BLOCK_HALF: tl.constexpr, G: tl.conste
 
 
 @triton.jit
+def _norm_rope_math(x1, x2, w_ptr, d, cos, sin, eps, IN_TY: tl.constexpr, HAS_NORM: tl.constexpr,
+                    HALF: tl.constexpr, ROWS: tl.constexpr, OUT_TY: tl.constexpr):
+    # [ROWS, BLOCK_HALF] fp32 halves of ROWS heads (x1 = dims [0, HALF), x2 = [HALF, D)), as read
+    # from IN_TY values -> (out1, out2) in fp32, for the caller to round to OUT_TY. Working on the
+    # two rotate-half halves separately, the rotation needs no register shuffles.
+    if HAS_NORM:
+        # RMSNorm over the head dim, rounded like RMSNorm._norm: fp32 normalise -> input dtype
+        # -> times weight (exact in fp32) -> rounded to the output dtype; rope then reads that.
+        ss = tl.sum(x1 * x1, axis=1) + tl.sum(x2 * x2, axis=1)
+        var = tl.div_rn(ss, tl.full([ROWS], 2 * HALF, tl.float32))  # same shape: see _rms_norm_kernel
+        r = tl.rsqrt(var + eps)[:, None]
+        wmask = d < HALF
+        w1 = tl.load(w_ptr + d, mask=wmask, other=0.0).to(tl.float32)
+        w2 = tl.load(w_ptr + HALF + d, mask=wmask, other=0.0).to(tl.float32)
+        x1 = ((x1 * r).to(IN_TY).to(tl.float32) * w1).to(OUT_TY).to(tl.float32)
+        x2 = ((x2 * r).to(IN_TY).to(tl.float32) * w2).to(OUT_TY).to(tl.float32)
+    # The same fp32 ops as rotary._rotate (no FMA contraction: enable_fp_fusion=False).
+    return x1 * cos - x2 * sin, x2 * cos + x1 * sin
+
+
+@triton.jit
 def _norm_rope_heads(
     src, dst, w_ptr, stride_h, stride_dh, h0, H, cos, sin, eps,
     HAS_NORM: tl.constexpr, HALF: tl.constexpr, BLOCK_HALF: tl.constexpr, G: tl.constexpr,
     OUT_TY: tl.constexpr,
 ):
-    # Heads [h0, h0+G) of one token. Work on the two rotate-half halves separately so the
-    # rotation needs no register shuffles: out1 = x1*cos - x2*sin, out2 = x2*cos + x1*sin.
-    # OUT_TY is the dtype of qk_norm_rope's output, where the results are rounded; dst may be a
-    # KV cache of another dtype, which then gets that rounded value cast again (as store_kv does).
+    # Heads [h0, h0+G) of one token. OUT_TY is the dtype of qk_norm_rope's output, where the
+    # results are rounded; dst may be a KV cache of another dtype, which then gets that rounded
+    # value cast again (as store_kv does).
     h, d, mask = _head_tile(h0, H, HALF, BLOCK_HALF, G)
     p1 = src + h * stride_h + d
     x1 = tl.load(p1, mask=mask, other=0.0).to(tl.float32)
     x2 = tl.load(p1 + HALF, mask=mask, other=0.0).to(tl.float32)
-    if HAS_NORM:
-        # RMSNorm over the head dim, rounded like RMSNorm._norm: fp32 normalise -> input dtype
-        # -> times weight (exact in fp32) -> rounded to the output dtype; rope then reads that.
-        ss = tl.sum(x1 * x1, axis=1) + tl.sum(x2 * x2, axis=1)
-        var = tl.div_rn(ss, tl.full([G], 2 * HALF, tl.float32))  # same shape: see _rms_norm_kernel
-        r = tl.rsqrt(var + eps)[:, None]
-        wmask = d < HALF
-        w1 = tl.load(w_ptr + d, mask=wmask, other=0.0).to(tl.float32)
-        w2 = tl.load(w_ptr + HALF + d, mask=wmask, other=0.0).to(tl.float32)
-        in_ty = src.dtype.element_ty
-        x1 = ((x1 * r).to(in_ty).to(tl.float32) * w1).to(OUT_TY).to(tl.float32)
-        x2 = ((x2 * r).to(in_ty).to(tl.float32) * w2).to(OUT_TY).to(tl.float32)
-    # The same fp32 ops as rotary._rotate (no FMA contraction: enable_fp_fusion=False), rounded once.
-    o1 = x1 * cos - x2 * sin
-    o2 = x2 * cos + x1 * sin
+    o1, o2 = _norm_rope_math(x1, x2, w_ptr, d, cos, sin, eps, src.dtype.element_ty, HAS_NORM, HALF, G, OUT_TY)
     q1 = dst + h * stride_dh + d
     tl.store(q1, o1.to(OUT_TY).to(dst.dtype.element_ty), mask=mask)
     tl.store(q1 + HALF, o2.to(OUT_TY).to(dst.dtype.element_ty), mask=mask)

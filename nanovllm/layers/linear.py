@@ -52,12 +52,12 @@ def _gemm_kernel_applies(x: torch.Tensor, bias) -> bool:
     return bias is None and x.is_cuda and x.dim() == 2 and x.dtype in (torch.bfloat16, torch.float16)
 
 
-def _dense_config(x: torch.Tensor, weight: torch.Tensor, bias):
+def _dense_config(x: torch.Tensor, weight: torch.Tensor, bias, gated: bool = False):
     """The dense / gated kernel's configuration for x, or None (then cuBLAS)."""
     if not _gemm_kernel_applies(x, bias):
         return None
     from nanovllm.kernels.gemm import dense_config
-    return dense_config(x.shape[0], weight.shape[0], x.shape[1])
+    return dense_config(x.shape[0], weight.shape[0], x.shape[1], gated)
 
 
 class ColumnParallelLinear(LinearBase):
@@ -83,7 +83,7 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         """silu(gate) * up for a [gate, up] projection: one kernel for decode batches on the GPU
         (the [M, 2I] product never reaches memory), else the product then SiLU-and-mul."""
         assert len(self.output_sizes) == 2 and self.output_sizes[0] == self.output_sizes[1]
-        config = _dense_config(x, self.weight, self.bias)
+        config = _dense_config(x, self.weight, self.bias, gated=True)
         if config is not None:
             from nanovllm.kernels.gemm import gated_linear
             return gated_linear(x, self.weight, config)
@@ -108,6 +108,17 @@ class QKVParallelLinear(ColumnParallelLinear):
         self.kv_replicas = max(1, n // num_kv_heads)
         out = (self.num_heads + 2 * self.num_kv_heads) * head_dim
         LinearBase.__init__(self, hidden_size, out, bias, 0)
+
+    def rope_store_kv(self, x: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor,
+                      kv_cache: tuple, q_weight=None, k_weight=None, eps: float = 1e-6) -> torch.Tensor | None:
+        """The projection, the q/k norms (Qwen3), the rotation and the K/V store in one kernel for
+        the decode batches our GEMM serves (kernels/qkv_rope.py): returns q [T, Hq, D] with k and v
+        in kv_cache = (k_cache, v_cache, slot_mapping); None (nothing done) elsewhere."""
+        if not _gemm_kernel_applies(x, self.bias):
+            return None
+        from nanovllm.kernels.qkv_rope import qkv_rope_store_kv
+        return qkv_rope_store_kv(x, self.weight, self.num_heads, self.num_kv_heads, positions, cos_sin_cache,
+                                 *kv_cache, q_weight, k_weight, eps)
 
     def weight_loader(self, param, loaded, shard_id: str):
         d = self.head_dim

@@ -52,7 +52,7 @@ class RotaryEmbedding(nn.Module):
         """q: [T, Hq, D], k: [T, Hkv, D]; q_norm/k_norm: per-head RMSNorms applied first (Qwen3)."""
         if q.is_cuda:  # norms and rotation of q and k in one kernel
             from nanovllm.kernels.fused_ops import qk_norm_rope
-            return qk_norm_rope(q, k, positions, self.cos_sin_cache, *_norm_args(q_norm, k_norm))
+            return qk_norm_rope(q, k, positions, self.cos_sin_cache, *norm_args(q_norm, k_norm))
         if q_norm is not None:
             q, k = q_norm(q), k_norm(k)
         cos, sin = self.cos_sin_cache[positions].unsqueeze(1).chunk(2, dim=-1)
@@ -66,10 +66,10 @@ class RotaryEmbedding(nn.Module):
         launch instead of rope + the attention backend's K/V store, for backends that read keys
         only from the cache (AttentionBackend.fuses_kv_store)."""
         from nanovllm.kernels.fused_ops import qk_norm_rope_store_kv
-        return qk_norm_rope_store_kv(q, k, v, positions, self.cos_sin_cache, *kv_cache, *_norm_args(q_norm, k_norm))
+        return qk_norm_rope_store_kv(q, k, v, positions, self.cos_sin_cache, *kv_cache, *norm_args(q_norm, k_norm))
 
 
-def _norm_args(q_norm: nn.Module | None, k_norm: nn.Module | None) -> tuple:
+def norm_args(q_norm: nn.Module | None = None, k_norm: nn.Module | None = None) -> tuple:
     """(q_weight, k_weight, eps) of the fused kernels; (None, None, any) without norms."""
     if q_norm is None:
         return None, None, 1e-6

@@ -7,7 +7,7 @@ from nanovllm.layers.attention import Attention
 from nanovllm.layers.embed_head import ParallelLMHead, VocabParallelEmbedding
 from nanovllm.layers.layernorm import RMSNorm
 from nanovllm.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
-from nanovllm.layers.rotary import RotaryEmbedding, rope_parameters
+from nanovllm.layers.rotary import RotaryEmbedding, norm_args, rope_parameters
 
 
 class DecoderAttention(nn.Module):
@@ -28,19 +28,26 @@ class DecoderAttention(nn.Module):
             self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
         self.qk_norm = qk_norm
 
+    def _qkv_heads(self, x: torch.Tensor):
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        return (q.unflatten(-1, (self.num_heads, self.head_dim)),     # [T, Hq, D]
+                k.unflatten(-1, (self.num_kv_heads, self.head_dim)),  # [T, Hkv, D]
+                v.unflatten(-1, (self.num_kv_heads, self.head_dim)))
+
     def forward(self, positions: torch.Tensor, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        qkv = self.qkv_proj(x)
-        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.unflatten(-1, (self.num_heads, self.head_dim))    # [T, Hq, D]
-        k = k.unflatten(-1, (self.num_kv_heads, self.head_dim))  # [T, Hkv, D]
-        v = v.unflatten(-1, (self.num_kv_heads, self.head_dim))
         norms = (self.q_norm, self.k_norm) if self.qk_norm else ()
         if self.attn.fuses_kv_store:
-            # The rotary kernel also writes k and v into the paged cache: a launch less per layer.
             kv_cache = (self.attn.k_cache, self.attn.v_cache, meta.slot_mapping)
-            q = self.rotary_emb.forward_store_kv(positions, q, k, v, kv_cache, *norms)
+            # Decode batches: one kernel from x to q and the cached k/v; else the rotary kernel
+            # writes k and v into the paged cache itself (a launch less per layer either way).
+            q = self.qkv_proj.rope_store_kv(x, positions, self.rotary_emb.cos_sin_cache, kv_cache,
+                                            *norm_args(*norms))
+            if q is None:
+                q, k, v = self._qkv_heads(x)
+                q = self.rotary_emb.forward_store_kv(positions, q, k, v, kv_cache, *norms)
             o = self.attn(q, None, None, meta, kv_stored=True)
         else:
+            q, k, v = self._qkv_heads(x)
             q, k = self.rotary_emb(positions, q, k, *norms)
             o = self.attn(q, k, v, meta)
         # The output only feeds the post-attention residual-add RMSNorm: partial sums are fine.

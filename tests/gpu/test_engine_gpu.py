@@ -139,23 +139,29 @@ def test_kv_cache_sized_from_gpu_memory_utilization(tmp_path):
 
 def test_qwen3_06b_bf16_triton_projections_agree_with_cublas(tmp_path, monkeypatch):
     """Decode projections on our GEMM kernel (split-K partials summed in the RMSNorm, dense qkv,
-    SwiGLU-fused gate_up) vs plain cuBLAS GEMMs."""
+    SwiGLU-fused gate_up, qkv with the rotary kernel's work in its epilogue) vs plain cuBLAS GEMMs,
+    on decode batches of 24 sequences (a CUDA graph of 32 rows)."""
     import shutil
 
     import nanovllm.kernels.gemm as gemm
+    import nanovllm.kernels.qkv_rope as qkv_rope
     shutil.copy(QWEN3_06B, tmp_path / "config.json")
-    kwargs = dict(load_format="dummy", dtype="bfloat16", max_model_len=2048, max_num_seqs=16,
+    kwargs = dict(load_format="dummy", dtype="bfloat16", max_model_len=2048, max_num_seqs=32,
                   gpu_memory_utilization=0.3)
-    prompts = _prompts(6, lengths=(10, 100, 300, 1000))
-    used = {"splitk": [], "dense": []}
-    splitk_config, dense_config = gemm.splitk_config, gemm.dense_config
+    prompts = [p for seed in range(6, 12) for p in _prompts(seed, lengths=(10, 100, 300, 1000))]
+    used = {"splitk": [], "dense": [], "qkv_rope": []}
+    splitk_config, dense_config, rope_config = gemm.splitk_config, gemm.dense_config, qkv_rope.qkv_rope_config
     monkeypatch.setattr(gemm, "splitk_config", lambda m, n, k: used["splitk"].append(m) or splitk_config(m, n, k))
-    monkeypatch.setattr(gemm, "dense_config", lambda m, n, k: used["dense"].append(m) or dense_config(m, n, k))
+    monkeypatch.setattr(gemm, "dense_config",
+                        lambda m, n, k, gated=False: used["dense"].append(m) or dense_config(m, n, k, gated))
+    monkeypatch.setattr(qkv_rope, "qkv_rope_config",
+                        lambda m, k, d: (used["qkv_rope"].append(m) if rope_config(m, k, d) else None) or rope_config(m, k, d))
     with LLM(str(tmp_path), **kwargs) as fast:
         a = _greedy(fast, prompts, 8)
-    assert min(used["splitk"]) <= 16 and min(used["dense"]) <= 16  # decode steps took our kernels
+    assert used["splitk"] and used["qkv_rope"]  # decode steps took our kernels (up to 16 rows: the test above)
     monkeypatch.setattr(gemm, "splitk_config", lambda m, n, k: None)
-    monkeypatch.setattr(gemm, "dense_config", lambda m, n, k: None)
+    monkeypatch.setattr(gemm, "dense_config", lambda m, n, k, gated=False: None)
+    monkeypatch.setattr(qkv_rope, "qkv_rope_config", lambda m, k, d: None)
     with LLM(str(tmp_path), **kwargs) as ref:
         b = _greedy_top2(ref, prompts, 8)
     _assert_bf16_agreement(a, b, "our projections vs cuBLAS")

@@ -63,6 +63,24 @@ def test_partials_with_the_table_configs(m, device, gen):
     torch.testing.assert_close(out.parts.sum(0), x.float() @ w.float().T, atol=2e-3 * k ** 0.5, rtol=1e-3)
 
 
+@pytest.mark.parametrize("m", [1, 16, 17, 100, 128, 129])
+def test_dense_and_gated_with_the_table_configs(m, device, gen):
+    """Every tile shape dense_config picks (16- and 64-row tiles) on a small K; none past its table."""
+    from nanovllm.kernels.gemm import dense_config
+    k, n = 256, 192
+    x, w = _inputs(m, k, 2 * n, DTYPES[0], device, gen)
+    if m > 128:
+        assert dense_config(m, 2 * n, k) is None and dense_config(m, 2 * n, k, gated=True) is None
+        return
+    out = dense_linear(x, w, dense_config(m, 2 * n, k))
+    gate_up = (x.float() @ w.float().T).to(x.dtype)
+    torch.testing.assert_close(out, gate_up, atol=2e-3 * k ** 0.5, rtol=1e-2)
+    out = gated_linear(x, w, dense_config(m, 2 * n, k, gated=True))
+    gate_up = gate_up.float()
+    expect = (F.silu(gate_up[:, :n]) * gate_up[:, n:]).to(x.dtype)
+    torch.testing.assert_close(out, expect, atol=2e-3 * k ** 0.5, rtol=1e-2)
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("m,k,n", [(1, 2048, 1024), (5, 3072, 1024), (33, 1024, 96), (70, 512, 200),
                                    (128, 2048, 1024)])
