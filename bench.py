@@ -222,11 +222,17 @@ def main():
     recorder = ScheduleRecorder(llm.engine.scheduler)
     if device.type == "cuda":
         torch.cuda.synchronize()
+        before = torch.cuda.memory_stats()
     start = time.perf_counter()
     outputs = llm.generate(prompts, params, use_tqdm=False)
     elapsed = time.perf_counter() - start
     if args.log_compiles:
         print(f"timed run: {start:.3f} to {start + elapsed:.3f}")
+    if device.type == "cuda":  # device allocations inside the timed run cost time (and may synchronize)
+        after = torch.cuda.memory_stats()
+        print("allocator in the timed run: " + ", ".join(
+            f"{key} +{after.get(key, 0) - before.get(key, 0)}"
+            for key in ("num_device_alloc", "num_device_free", "num_alloc_retries")))
     steps, times = list(recorder.steps), list(recorder.times)
     for i in range(1, args.repeat):
         again = time.perf_counter()

@@ -106,7 +106,8 @@ def main():
                 best = min(best, (t, cfg), key=lambda p: p[0])
             if best[1] is None:
                 continue
-            table = (splitk_config if kind == "partial" else dense_config)(m, w.shape[0], k)
+            table = (splitk_config(m, w.shape[0], k) if kind == "partial"
+                     else dense_config(m, w.shape[0], k, gated=kind == "gated"))
             t_table = bench(lambda: ours_fn(table)) if table else float("nan")
             err = (_final(base_fn()).float() - _final(ours_fn(best[1])).float()).abs().max().item()
             ideal = w.numel() * w.element_size() / 4.3e12 * 1e6
