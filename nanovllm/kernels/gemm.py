@@ -118,14 +118,14 @@ def _launch(x, weight, out, n, config: GemmConfig, gated: bool, partials: bool):
     return out
 
 
-def _tma_ok(t: torch.Tensor) -> bool:
+def tma_compatible(t: torch.Tensor) -> bool:
     """A tensor descriptor needs 16-byte aligned rows (and base)."""
     size = t.element_size()
     return t.stride(-1) == 1 and (t.stride(0) * size) % 16 == 0 and t.data_ptr() % 16 == 0
 
 
 def _usable(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    return x.dim() == 2 and x.dtype == weight.dtype and _tma_ok(x) and _tma_ok(weight)
+    return x.dim() == 2 and x.dtype == weight.dtype and tma_compatible(x) and tma_compatible(weight)
 
 
 def dense_linear(x: torch.Tensor, weight: torch.Tensor, config: GemmConfig) -> torch.Tensor:

@@ -16,7 +16,7 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from nanovllm.kernels.fused_ops import _norm_rope_math
-from nanovllm.kernels.gemm import mainloop
+from nanovllm.kernels.gemm import mainloop, tma_compatible
 from nanovllm.kernels.pdl import PDL_LAUNCH, pdl_prologue
 
 
@@ -101,7 +101,7 @@ def qkv_rope_store_kv(x: torch.Tensor, weight: torch.Tensor, num_q_heads: int, n
     m, k = x.shape
     head_dim = k_cache.shape[-1]
     config = config or qkv_rope_config(m, k, head_dim)
-    if config is None or m == 0:
+    if config is None or m == 0 or not (tma_compatible(x) and tma_compatible(weight)):
         return None
     assert weight.shape == ((num_q_heads + 2 * num_kv_heads) * head_dim, k) and x.dtype == weight.dtype
     assert k_cache.stride() == v_cache.stride() and k_cache.stride(-1) == 1 and cos_sin_cache.stride(-1) == 1
