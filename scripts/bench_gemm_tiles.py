@@ -1,7 +1,7 @@
 """Can a Triton GEMM match cuBLAS on the decode projections of 64-256 rows (where cuBLAS runs today)?
 Our kernels would then take the elementwise op after each projection into their epilogue (rotary +
 KV store after qkv, SiLU-and-mul after gate_up). Times, per projection of Qwen3-0.6B and batch size,
-cuBLAS against the best of a tile sweep of two Triton kernels: pointer loads (cp.async pipelining) and
+cuBLAS against the best of a tile sweep (up to 128x256 tiles) of two Triton kernels: pointer loads (cp.async pipelining) and
 TMA tensor descriptors. Weights rotate over 8 copies (96+ MB), so they come from HBM as in a model.
 
     python scripts/bench_gemm_tiles.py [--m 64,128,256]   (GPU, Hopper for the TMA kernel)
@@ -96,7 +96,7 @@ def main():
     torch.manual_seed(0)
     dev, dt = "cuda", torch.bfloat16
     configs = [(bm, bn, bk, st, 4 if bm == 64 else 8)
-               for bm, bn, bk, st in itertools.product((64, 128), (64, 128), (64, 128), (3, 4))]
+               for bm, bn, bk, st in itertools.product((64, 128), (64, 128, 256), (64, 128), (3, 4))]
     triton.set_allocator(lambda size, align, stream: torch.empty(size, dtype=torch.int8, device=dev))
     for m in [int(v) for v in args.m.split(",")]:
         for name, (n, k) in SHAPES.items():
