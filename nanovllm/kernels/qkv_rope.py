@@ -84,7 +84,8 @@ _MAX_M = 128
 
 def qkv_rope_config(m: int, k: int, head_dim: int) -> QkvRopeConfig | None:
     """The fused kernel's tiles for m rows, or None where the unfused pair runs. Host-only."""
-    if not 1 <= m <= _MAX_M or k % 128 or head_dim not in (64, 128, 256):
+    # head_dim 256 would need a 64 KB weight tile per stage: 4 stages do not fit in shared memory.
+    if not 1 <= m <= _MAX_M or k % 128 or head_dim not in (64, 128):
         return None
     return QkvRopeConfig(16 if m <= 64 else 64, 128, 4, 4)
 
