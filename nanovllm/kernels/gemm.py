@@ -34,6 +34,9 @@ _MAX_SPLITK_N = 2048
 # against 6.2 / 6.0 / 7.5 plus a 2.2 us SiLU-and-mul kernel.
 _MAX_DENSE_M = 128  # measured end to end: from 129 rows on, cuBLAS's qkv is faster
 _MAX_GATED_M = 128
+# Past 16 rows only for the inner dimensions measured (Qwen3-0.6B's hidden size, 1024); wider models
+# (Qwen3-8B: 4096) keep cuBLAS there until measured.
+_MAX_DENSE_K = 2048
 
 
 class SplitKOutput(NamedTuple):
@@ -183,4 +186,6 @@ def dense_config(m: int, n: int, k: int, gated: bool = False) -> GemmConfig | No
         return None
     if m <= 16:
         return GemmConfig(1, 16, 32, 128, 4, 3)
+    if k > _MAX_DENSE_K:
+        return None
     return GemmConfig(1, 64, 64, 128, 4, 4)

@@ -79,13 +79,15 @@ class QkvRopeConfig(NamedTuple):
 # scripts/bench_qkv_rope.py (H200, Qwen3-0.6B, us per layer, fused / our GEMM + rotary kernel /
 # cuBLAS + rotary kernel): 16 rows 7.0 / 8.3 / 8.5, 32: 6.9 / 7.5 / 9.1, 64: 7.2 / 7.7 / 9.1,
 # 128: 7.4 / 7.9 / 9.3; 4 stages, 16-row tiles up to 64 rows, then 64.
-_MAX_M = 128
+_MAX_M, _MAX_K = 128, 2048
 
 
 def qkv_rope_config(m: int, k: int, head_dim: int) -> QkvRopeConfig | None:
     """The fused kernel's tiles for m rows, or None where the unfused pair runs. Host-only."""
     # head_dim 256 would need a 64 KB weight tile per stage: 4 stages do not fit in shared memory.
-    if not 1 <= m <= _MAX_M or k % 128 or head_dim not in (64, 128):
+    # Wider hidden sizes than measured (K <= 2048) give each one-head program too many weights to
+    # stream: they keep the unfused pair until measured.
+    if not 1 <= m <= _MAX_M or k % 128 or k > _MAX_K or head_dim not in (64, 128):
         return None
     return QkvRopeConfig(16 if m <= 64 else 64, 128, 4, 4)
 

@@ -72,6 +72,7 @@ def test_dense_and_gated_with_the_table_configs(m, device, gen):
     if m > 128:
         assert dense_config(m, 2 * n, k) is None and dense_config(m, 2 * n, k, gated=True) is None
         return
+    assert (dense_config(m, 2 * n, 4096) is None) == (m > 16)  # wide models: up to 16 rows only
     out = dense_linear(x, w, dense_config(m, 2 * n, k))
     gate_up = (x.float() @ w.float().T).to(x.dtype)
     torch.testing.assert_close(out, gate_up, atol=2e-3 * k ** 0.5, rtol=1e-2)

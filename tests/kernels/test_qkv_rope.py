@@ -52,3 +52,4 @@ def test_config_table():
     assert qkv_rope_config(129, 1024, 128) is None  # cuBLAS's qkv from here on (kernels/gemm.py)
     assert qkv_rope_config(64, 1000, 128) is None and qkv_rope_config(64, 1024, 96) is None
     assert qkv_rope_config(64, 1024, 256) is None  # its tiles would not fit in shared memory
+    assert qkv_rope_config(1, 4096, 128) is None  # wider models: not measured
