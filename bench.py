@@ -186,7 +186,7 @@ def main():
     ap.add_argument("--top-k", type=int, default=-1)
     ap.add_argument("--repeat", type=int, default=1, help="timed runs (the first is the reported figure)")
     ap.add_argument("--json", help="write the figures to this file")
-    ap.add_argument("--no-split-k", action="store_true", help="decode projections on cuBLAS only (A/B of split-K)")
+    ap.add_argument("--no-split-k", action="store_true", help="o/down projections on cuBLAS instead of split-K (A/B of split-K)")
     ap.add_argument("--log-compiles", action="store_true",
                     help="print every Triton kernel variant compiled after start-up (with its specialisation)")
     ap.add_argument("--profile", action="store_true",
