@@ -202,7 +202,7 @@ def _head_tile(h0, H, HALF: tl.constexpr, BLOCK_HALF: tl.constexpr, G: tl.conste
 
 
 @triton.jit
-def _norm_rope_math(x1, x2, w_ptr, d, cos, sin, eps, IN_TY: tl.constexpr, HAS_NORM: tl.constexpr,
+def norm_rope_math(x1, x2, w_ptr, d, cos, sin, eps, IN_TY: tl.constexpr, HAS_NORM: tl.constexpr,
                     HALF: tl.constexpr, ROWS: tl.constexpr, OUT_TY: tl.constexpr):
     # [ROWS, BLOCK_HALF] fp32 halves of ROWS heads (x1 = dims [0, HALF), x2 = [HALF, D)), as read
     # from IN_TY values -> (out1, out2) in fp32, for the caller to round to OUT_TY. Working on the
@@ -235,7 +235,7 @@ def _norm_rope_heads(
     p1 = src + h * stride_h + d
     x1 = tl.load(p1, mask=mask, other=0.0).to(tl.float32)
     x2 = tl.load(p1 + HALF, mask=mask, other=0.0).to(tl.float32)
-    o1, o2 = _norm_rope_math(x1, x2, w_ptr, d, cos, sin, eps, src.dtype.element_ty, HAS_NORM, HALF, G, OUT_TY)
+    o1, o2 = norm_rope_math(x1, x2, w_ptr, d, cos, sin, eps, src.dtype.element_ty, HAS_NORM, HALF, G, OUT_TY)
     q1 = dst + h * stride_dh + d
     tl.store(q1, o1.to(OUT_TY).to(dst.dtype.element_ty), mask=mask)
     tl.store(q1 + HALF, o2.to(OUT_TY).to(dst.dtype.element_ty), mask=mask)

@@ -32,11 +32,11 @@ _MAX_SPLITK_N = 2048
 # cuBLAS. Measured with TMA loads (scripts/bench_gemm_tiles.py, H200, Qwen3-0.6B, weights from HBM):
 # qkv 4.9 / 5.0 / 6.0 us against cuBLAS 5.4 / 5.2 / 6.1 at 64 / 128 / 256 rows; gate_up 5.6 / 6.5 / 9.3
 # against 6.2 / 6.0 / 7.5 plus a 2.2 us SiLU-and-mul kernel.
-_MAX_DENSE_M = 128  # measured end to end: from 129 rows on, cuBLAS's qkv is faster
+MAX_DENSE_M = 128  # measured end to end: from 129 rows on, cuBLAS's qkv is faster
 _MAX_GATED_M = 128
 # Past 16 rows only for the inner dimensions measured (Qwen3-0.6B's hidden size, 1024); wider models
 # (Qwen3-8B: 4096) keep cuBLAS there until measured.
-_MAX_DENSE_K = 2048
+MAX_DENSE_K = 2048
 
 
 class SplitKOutput(NamedTuple):
@@ -182,10 +182,10 @@ def splitk_linear(x: torch.Tensor, weight: torch.Tensor, config: GemmConfig | No
 def dense_config(m: int, n: int, k: int, gated: bool = False) -> GemmConfig | None:
     """The configuration of the dense (or, gated, the SwiGLU) form for m rows, or None where cuBLAS
     does better. From 17 rows on: 64-row tiles (one warpgroup's wgmma), 4 stages."""
-    if m > (_MAX_GATED_M if gated else _MAX_DENSE_M) or m == 0 or k % 128:
+    if m > (_MAX_GATED_M if gated else MAX_DENSE_M) or m == 0 or k % 128:
         return None
     if m <= 16:
         return GemmConfig(1, 16, 32, 128, 4, 3)
-    if k > _MAX_DENSE_K:
+    if k > MAX_DENSE_K:
         return None
     return GemmConfig(1, 64, 64, 128, 4, 4)

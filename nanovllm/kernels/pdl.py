@@ -9,9 +9,8 @@ kernel, ours or not; only launch and scheduling overlap. What no kernel writes (
 step's inputs copied from the host) may be read before the wait: a kernel launched early starts
 only once its predecessor is running past its own wait (or, not launched this way, running at
 all), so every older kernel and copy has completed (decode attention reads its block ids and
-RMSNorm its weight that way; tests/kernels/test_pdl_order.py holds every kernel to its list). Launch
-sites pass `**PDL_LAUNCH`. CUDA
-graphs keep these edges. Off under the Triton interpreter, on older GPUs, or with NANOVLLM_PDL=0.
+RMSNorm its weight that way; tests/kernels/test_pdl_order.py holds every kernel to its list).
+Launch sites pass `**PDL_LAUNCH`. CUDA graphs keep these edges. Off under the Triton interpreter, on older GPUs, or with NANOVLLM_PDL=0.
 """
 import os
 

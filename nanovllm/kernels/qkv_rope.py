@@ -4,7 +4,7 @@ writing the [M, (Hq + 2 Hkv) D] product it normalises (Qwen3's q/k RMSNorm) and 
 writes q, and stores the new keys and values straight into the paged KV cache.
 
 The arithmetic is the unfused pair's (our dense GEMM, then `fused_ops.qk_norm_rope_store_kv`): the
-product is rounded to the activation dtype as a GEMM output would be, then `_norm_rope_math` (the
+product is rounded to the activation dtype as a GEMM output would be, then `norm_rope_math` (the
 rotary kernel's own code) runs on it, without FMA contraction. Only the GEMM's fp32 accumulation
 order may differ from the unfused pair's tile shape, as between any two GEMM configurations.
 """
@@ -15,8 +15,8 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from nanovllm.kernels.fused_ops import _norm_rope_math
-from nanovllm.kernels.gemm import mainloop, tma_compatible
+from nanovllm.kernels.fused_ops import norm_rope_math
+from nanovllm.kernels.gemm import MAX_DENSE_K, MAX_DENSE_M, mainloop, tma_compatible
 from nanovllm.kernels.pdl import PDL_LAUNCH, pdl_prologue
 
 
@@ -48,7 +48,7 @@ def _qkv_rope_kernel(
     x1, x2 = tl.split(tl.permute(tl.reshape(x, [BM, 2, HALF]), (0, 2, 1)))
     out_ty = q_out_ptr.dtype.element_ty
     if head < HQ:
-        o1, o2 = _norm_rope_math(x1, x2, qw_ptr, d, cos, sin, eps, in_ty, HAS_NORM, HALF, BM, out_ty)
+        o1, o2 = norm_rope_math(x1, x2, qw_ptr, d, cos, sin, eps, in_ty, HAS_NORM, HALF, BM, out_ty)
         dst = q_out_ptr + rm.to(tl.int64)[:, None] * stride_qot + head * stride_qoh + d
         tl.store(dst, o1.to(out_ty), mask=row_ok[:, None])
         tl.store(dst + HALF, o2.to(out_ty), mask=row_ok[:, None])
@@ -57,7 +57,7 @@ def _qkv_rope_kernel(
         row = (slot // block_size) * stride_cb + (slot % block_size) * stride_ct
         ok = (slot >= 0)[:, None]
         if head < HQ + HKV:
-            o1, o2 = _norm_rope_math(x1, x2, kw_ptr, d, cos, sin, eps, in_ty, HAS_NORM, HALF, BM, out_ty)
+            o1, o2 = norm_rope_math(x1, x2, kw_ptr, d, cos, sin, eps, in_ty, HAS_NORM, HALF, BM, out_ty)
             dst = k_cache_ptr + row[:, None] + (head - HQ) * stride_ch + d
             cache_ty = k_cache_ptr.dtype.element_ty
             tl.store(dst, o1.to(out_ty).to(cache_ty), mask=ok)
@@ -75,19 +75,15 @@ class QkvRopeConfig(NamedTuple):
     num_stages: int = 3
 
 
-# As far as our dense GEMM's table goes (kernels/gemm.py; cuBLAS's qkv beyond). Measured with
-# scripts/bench_qkv_rope.py (H200, Qwen3-0.6B, us per layer, fused / our GEMM + rotary kernel /
-# cuBLAS + rotary kernel): 16 rows 7.0 / 8.3 / 8.5, 32: 6.9 / 7.5 / 9.1, 64: 7.2 / 7.7 / 9.1,
-# 128: 7.4 / 7.9 / 9.3; 4 stages, 16-row tiles up to 64 rows, then 64.
-_MAX_M, _MAX_K = 128, 2048
-
-
+# As far as our dense GEMM's table goes (kernels/gemm.py: cuBLAS's qkv beyond 128 rows), and only
+# for the hidden sizes measured there at any row count: a one-head program of a wider model would have
+# too many weights to stream. Measured with scripts/bench_qkv_rope.py (H200, Qwen3-0.6B, us per layer,
+# fused / our GEMM + rotary kernel / cuBLAS + rotary kernel): 16 rows 7.0 / 8.3 / 8.5, 32: 6.9 / 7.5 /
+# 9.1, 64: 7.2 / 7.7 / 9.1, 128: 7.4 / 7.9 / 9.3; 4 stages, 16-row tiles up to 64 rows, then 64.
 def qkv_rope_config(m: int, k: int, head_dim: int) -> QkvRopeConfig | None:
     """The fused kernel's tiles for m rows, or None where the unfused pair runs. Host-only."""
     # head_dim 256 would need a 64 KB weight tile per stage: 4 stages do not fit in shared memory.
-    # Wider hidden sizes than measured (K <= 2048) give each one-head program too many weights to
-    # stream: they keep the unfused pair until measured.
-    if not 1 <= m <= _MAX_M or k % 128 or k > _MAX_K or head_dim not in (64, 128):
+    if not 1 <= m <= MAX_DENSE_M or k % 128 or k > MAX_DENSE_K or head_dim not in (64, 128):
         return None
     return QkvRopeConfig(16 if m <= 64 else 64, 128, 4, 4)
 
