@@ -279,6 +279,9 @@ def main():
     print(f"Total: {out_tokens} tok, Time: {elapsed:.2f}s, Throughput: {throughput:,.0f} tok/s")
     print(f"Roofline (measured {bandwidth / 1e12:.2f} TB/s, {flops / 1e12:.0f} TFLOP/s, {roof['steps']} steps): "
           f"ideal {roof['ideal_time_s']:.2f}s = {ideal_tput:,.0f} tok/s; achieved {throughput / ideal_tput:.1%}")
+    walls = [b - a for a, b in zip(times, times[1:] + [start + elapsed])]
+    print(f"  before the first step {1e3 * (times[0] - start):.1f} ms; prefill/mixed step walls (ms): " + " ".join(
+        f"{1e3 * w:.1f}" for (nd, new, _, _), w in zip(steps, walls) if len(new) > nd))
     for row in result["breakdown"]:
         print(f"  {row['steps']:>14}: {row['count']:5d} steps, wall {row['wall_s']:.3f}s "
               f"({row['wall_ms_per_step']:.2f} ms/step), ideal {row['ideal_s']:.3f}s ({row['ideal_ms_per_step']:.2f} ms/step)")

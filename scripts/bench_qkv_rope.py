@@ -52,7 +52,9 @@ def main():
         line += f" | ours {tuple(table)}+rope {per_call_us(lambda i: pair(i, lambda j: dense_linear(x, ws[j], table))):5.1f}"
         expect = pair(0, lambda j: dense_linear(x, ws[j], table))
         results = []
-        for bm, warps, stages in itertools.product((16, 32, 64), (4, 8), (3, 4)):
+        for bm, warps, stages in itertools.product((16, 32, 64, 128), (4, 8), (3, 4)):
+            if bm > max(64, m) or (bm == 128 and warps == 4):
+                continue
             cfg = QkvRopeConfig(bm, 128, warps, stages)
             try:
                 fn = lambda i, cfg=cfg: qkv_rope_store_kv(x, ws[i], HQ, HKV, pos, rope.cos_sin_cache,  # noqa: E731

@@ -23,7 +23,10 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 from nanovllm.kernels.pdl import PDL_LAUNCH, pdl_prologue
 
-_MAX_SPLITK_M = 128  # measured: from 256 rows on, cuBLAS has enough tiles and the partials cost more
+# Split-K up to 256 rows: with TMA operands, 4 slices beat cuBLAS's o/down at 192 and 256 rows too
+# (scripts/bench_decode_gemm.py, H200, net of the kernel before: 256 rows o 6.0 vs 7.5 us, down 6.7 vs
+# 8.3; 192 rows o 6.0 vs 6.8, down 7.0 vs 8.6). Past 256 rows (max_num_seqs > 256) not measured.
+_MAX_SPLITK_M = 256
 # Split-K is for narrow outputs, where cuBLAS has too few output tiles to fill the GPU. Measured with
 # bench.py on the H200: Qwen3-0.6B's o/down (N=1024) gain; Qwen3-8B's (N=4096) lose: 9,458 tok/s with
 # split-K against 9,813 without (every decode bucket from 16 to 127 rows slower with it).
@@ -159,15 +162,19 @@ def splitk_config(m: int, n: int, k: int) -> GemmConfig | None:
     """The split-K configuration for an [m, k] x [k, n] product, or None when split-K does not pay
     (m past _MAX_SPLITK_M, n past _MAX_SPLITK_N, or a k that does not divide into slices). A fixed
     table (from scripts/bench_decode_gemm.py on the H200, o_proj/down_proj of Qwen3-0.6B behind the
-    kernels that precede them, where 4 slices of BK=128 won at every batch size); host-only, so
+    kernels that precede them, where 4 slices of BK=128 won at every batch size up to 256); host-only, so
     CUDA-graph capture never benchmarks."""
     if m > _MAX_SPLITK_M or m == 0 or n > _MAX_SPLITK_N:
         return None
-    bm = 16 if m <= 16 else (32 if m <= 32 else (64 if m <= 64 else 128))
-    bn = 128 if 16 < m <= 32 else 32
     splits, bk = 4, 128
     if k % (splits * bk):
         return None
+    if m > 192:
+        return GemmConfig(splits, 128, 64, bk, 8, 3)
+    if m > 128:
+        return GemmConfig(splits, 64, 64, bk, 4, 3)
+    bm = 16 if m <= 16 else (32 if m <= 32 else (64 if m <= 64 else 128))
+    bn = 128 if 16 < m <= 32 else 32
     return GemmConfig(splits, bm, bn, bk, 4, 3)
 
 

@@ -16,7 +16,7 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from nanovllm.kernels.fused_ops import norm_rope_math
-from nanovllm.kernels.gemm import MAX_DENSE_K, MAX_DENSE_M, mainloop, tma_compatible
+from nanovllm.kernels.gemm import MAX_DENSE_K, mainloop, tma_compatible
 from nanovllm.kernels.pdl import PDL_LAUNCH, pdl_prologue
 
 
@@ -75,15 +75,18 @@ class QkvRopeConfig(NamedTuple):
     num_stages: int = 3
 
 
-# As far as our dense GEMM's table goes (kernels/gemm.py: cuBLAS's qkv beyond 128 rows), and only
-# for the hidden sizes measured there at any row count: a one-head program of a wider model would have
-# too many weights to stream. Measured with scripts/bench_qkv_rope.py (H200, Qwen3-0.6B, us per layer,
-# fused / our GEMM + rotary kernel / cuBLAS + rotary kernel): 16 rows 7.0 / 8.3 / 8.5, 32: 6.9 / 7.5 /
-# 9.1, 64: 7.2 / 7.7 / 9.1, 128: 7.4 / 7.9 / 9.3; 4 stages, 16-row tiles up to 64 rows, then 64.
+# Only for the hidden sizes measured (kernels/gemm.py's MAX_DENSE_K): a one-head program of a wider
+# model would have too many weights to stream. Measured with scripts/bench_qkv_rope.py (H200, Qwen3-0.6B,
+# us per layer, fused / our GEMM + rotary kernel / cuBLAS + rotary kernel): 16 rows 7.0 / 8.3 / 8.5,
+# 32: 6.9 / 7.5 / 9.1, 64: 7.2 / 7.7 / 9.1, 128: 7.4 / 7.9 / 8.5; 192: 8.5 / - / 9.8, 256: 8.5 / - / 10.5
+# (our plain dense GEMM stops at 128 rows, the fused kernel does not); 16-row tiles up to 64 rows, then 64.
+MAX_QKV_ROPE_M = 256
+
+
 def qkv_rope_config(m: int, k: int, head_dim: int) -> QkvRopeConfig | None:
     """The fused kernel's tiles for m rows, or None where the unfused pair runs. Host-only."""
     # head_dim 256 would need a 64 KB weight tile per stage: 4 stages do not fit in shared memory.
-    if not 1 <= m <= MAX_DENSE_M or k % 128 or k > MAX_DENSE_K or head_dim not in (64, 128):
+    if not 1 <= m <= MAX_QKV_ROPE_M or k % 128 or k > MAX_DENSE_K or head_dim not in (64, 128):
         return None
     return QkvRopeConfig(16 if m <= 64 else 64, 128, 4, 4)
 

@@ -52,9 +52,9 @@ def test_partials_sum_to_the_product(m, k, n, splits, dtype, device, gen):
     torch.testing.assert_close(out.parts.sum(0), x.float() @ w.float().T, atol=2e-3 * k ** 0.5, rtol=1e-3)
 
 
-@pytest.mark.parametrize("m", [1, 17, 40, 100])
+@pytest.mark.parametrize("m", [1, 17, 40, 100, 150, 200])
 def test_partials_with_the_table_configs(m, device, gen):
-    """Every tile shape splitk_config picks (BM up to 128, BN 32 or 128) on a small K."""
+    """Every tile shape splitk_config picks (BM up to 128, BN 32 to 128, 4 or 8 warps) on a small K."""
     k, n = 512, 160
     x, w = _inputs(m, k, n, DTYPES[0], device, gen)
     config = splitk_config(m, n, k)
@@ -98,7 +98,7 @@ def test_splitk_partials_sum_to_the_product(m, k, n, dtype, device, gen):
 
 
 def test_splitk_config_limits():
-    assert splitk_config(256, 1024, 2048) is None  # large batches: cuBLAS
+    assert splitk_config(256, 1024, 2048) is not None and splitk_config(257, 1024, 2048) is None  # then cuBLAS
     assert splitk_config(16, 4096, 4096) is None  # wide outputs (Qwen3-8B's o_proj): cuBLAS has the tiles
     assert splitk_config(16, 1024, 100) is None  # K does not split into 128-wide slices
     splits, bm, bn, bk, _, _ = splitk_config(8, 1024, 3072)
