@@ -10,6 +10,7 @@ ids in [0, 10000], then max_tokens randint(100, 1024) each; temperature 0.6, ign
 warm-up generate, then throughput = output tokens / wall time of one generate call.
 """
 import argparse
+import gc
 import json
 import os
 import random
@@ -137,6 +138,31 @@ def minimal_sample(logits, meta):
     return SamplerOutput(tokens)
 
 
+class record_gc_pauses:
+    """The cyclic garbage collector's pauses from now on (gc.callbacks), by generation."""
+
+    def __init__(self):
+        self.times, self.generations, self._start = [], [], 0.0
+        gc.callbacks.append(self.callback)
+
+    def callback(self, phase, info):
+        if phase == "start":
+            self._start = time.perf_counter()
+        else:
+            self.times.append(time.perf_counter() - self._start)
+            self.generations.append(info["generation"])
+
+
+def print_segment_allocs(snapshot, frames: int = 4):
+    """The device allocations (new segments) of a recorded run, with the Python frames that made them."""
+    for trace in snapshot["device_traces"]:
+        for event in trace:
+            if event["action"] == "segment_alloc":
+                where = [f"{os.path.basename(f['filename'])}:{f['line']} {f['name']}" for f in event.get("frames", [])
+                         if "nanovllm" in f["filename"] or "bench" in f["filename"]][:frames]
+                print(f"segment_alloc {event['size'] / 2**20:8.1f} MiB at " + " <- ".join(where))
+
+
 def profile_run(llm, prompts, params, top: int = 25, trace: str | None = None):
     """One generate under the CUDA profiler: how much of the wall time the device spends in kernels
     (the rest is the host not keeping up) and which kernels take it; `trace`: a chrome trace file
@@ -192,6 +218,8 @@ def main():
     ap.add_argument("--profile", action="store_true",
                     help="after the timed runs, profile one run of the same shape (other prompt tokens, so no "
                          "prefix-cache hits): device busy vs idle time and the kernels that take it")
+    ap.add_argument("--alloc-trace", action="store_true",
+                    help="record where the timed run's device allocations (cudaMalloc) come from (slows the run)")
     ap.add_argument("--trace", metavar="FILE", help="with --profile: write the run's chrome trace to FILE")
     ap.add_argument("--sampler-ab", type=int, default=0, metavar="N",
                     help="after the timed runs, N alternating runs with our sampler and nano-vllm's minimal one")
@@ -201,12 +229,15 @@ def main():
         import nanovllm.kernels.gemm as gemm
         gemm.splitk_config = lambda m, n, k: None
     path, cfg, load_format = model_dir(args)
+    # Before the engine exists: the measurement's buffers are freed and its cache emptied, which would
+    # otherwise also drop the activation memory the engine keeps in the allocator.
+    want = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
+    bandwidth, flops = measure_device(torch.device(want))
     llm = LLM(path, enforce_eager=args.enforce_eager, max_model_len=args.max_model_len, load_format=load_format,
               device=args.device, dtype=args.dtype, tensor_parallel_size=args.tensor_parallel_size)
     device = llm.config.device
     print(f"num_kvcache_blocks={llm.config.num_kvcache_blocks} block_size={llm.config.kvcache_block_size} "
           f"dtype={llm.config.torch_dtype} device={device}")
-    bandwidth, flops = measure_device(device)
 
     if args.single:
         random.seed(0)
@@ -223,9 +254,19 @@ def main():
     if device.type == "cuda":
         torch.cuda.synchronize()
         before = torch.cuda.memory_stats()
+        if args.alloc_trace:
+            torch.cuda.memory._record_memory_history(max_entries=1_000_000, stacks="python")
+    gc_pauses = record_gc_pauses()
     start = time.perf_counter()
     outputs = llm.generate(prompts, params, use_tqdm=False)
     elapsed = time.perf_counter() - start
+    gc.callbacks.remove(gc_pauses.callback)
+    print(f"garbage collector in the timed run: {len(gc_pauses.times)} collections "
+          f"({sum(g == 2 for g in gc_pauses.generations)} full), {1e3 * sum(gc_pauses.times):.1f} ms, "
+          f"longest {1e3 * max(gc_pauses.times, default=0):.1f} ms")
+    if args.alloc_trace and device.type == "cuda":
+        print_segment_allocs(torch.cuda.memory._snapshot())
+        torch.cuda.memory._record_memory_history(enabled=None)
     if args.log_compiles:
         print(f"timed run: {start:.3f} to {start + elapsed:.3f}")
     if device.type == "cuda":  # device allocations inside the timed run cost time (and may synchronize)

@@ -17,7 +17,7 @@ for ((i = 1; i <= rounds; i++)); do
   for arm in A B; do
     dir=$([ "$arm" = A ] && echo "$base" || echo .)
     echo "=== round $i, arm $arm ($([ "$arm" = A ] && echo "without" || echo "with") $1)"
-    (cd "$dir" && python bench.py --log-compiles ${BENCH_ARGS:-} 2>&1 | grep -E "Throughput|Roofline|steps, wall|step walls|triton compile|timed run|allocator" || true)
+    (cd "$dir" && python bench.py --log-compiles ${BENCH_ARGS:-} 2>&1 | grep -E "Throughput|Roofline|steps, wall|step walls|triton compile|timed run|allocator|garbage" || true)
     (cd "$dir" && python bench.py --single ${BENCH_ARGS:-} 2>&1 | grep "Throughput" || true)
   done
 done

@@ -5,6 +5,7 @@ only hides host work shorter than a step). This wraps the stages of `LLMEngine.s
 and runs steady-state decode batches of the given sizes:
 
     python scripts/host_timing.py [--batch 1 16 64 256] [--steps 200]
+    python scripts/host_timing.py --prefill   (the benchmark's prefill steps, one line per step)
 
 `wait` is the time spent blocked on the device (fetching the previous step's tokens): near zero
 means the host is the bottleneck.
@@ -54,15 +55,46 @@ def sync():
         torch.cuda.synchronize()
 
 
+def time_prefill_steps(llm, rounds: int = 2):
+    """Host time per stage in each step of bench.py's prompts (prefill and mixed steps). A step's
+    `wait` near zero with a long `execute` means the device finished before the host launched more."""
+    import os
+    import sys
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+    from bench import workload
+    from nanovllm import SamplingParams
+    prompts, _ = workload(256, 1024, 1024)
+    for r in range(rounds):  # the first round warms the allocator and the kernels
+        prompts = [[(t + r) % 10000 for t in p] for p in prompts]  # no prefix-cache hits
+        for i, p in enumerate(prompts):
+            llm.engine.add_request(f"{r}-{i}", p, SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=2))
+        sync()
+        print(f"\n===== round {r}")
+        step = 0
+        while llm.engine.has_unfinished():
+            TOTALS.clear()
+            t = time.perf_counter()
+            _, num_prefill, num_decode = llm.engine.step()
+            wall = time.perf_counter() - t
+            print(f"step {step:2d} ({num_prefill:5d} prefill + {num_decode:3d} decode tokens): {wall * 1e3:6.2f} ms | "
+                  + " ".join(f"{name} {total * 1e3:.2f}" for name, total in sorted(TOTALS.items(), key=lambda kv: -kv[1])))
+            step += 1
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--batch", type=int, nargs="+", default=[1, 16, 64, 256])
     ap.add_argument("--config", default=DEFAULT_CONFIG)
     ap.add_argument("--steps", type=int, default=200)
+    ap.add_argument("--prefill", action="store_true", help="time the steps of bench.py's prompts (2 new tokens each)")
     args = ap.parse_args()
     llm = random_weight_llm(args.config)
     engine = llm.engine
     instrument(engine)
+    if args.prefill:
+        time_prefill_steps(llm)
+        llm.shutdown()
+        return
     rng = random.Random(0)
     for batch in args.batch:
         start_decode_batch(engine, batch, rng)
