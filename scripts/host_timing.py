@@ -55,7 +55,7 @@ def sync():
         torch.cuda.synchronize()
 
 
-def time_prefill_steps(llm, rounds: int = 2):
+def time_prefill_steps(llm, rounds: int = 2, cprofile: int = 0):
     """Host time per stage in each step of bench.py's prompts (prefill and mixed steps). A step's
     `wait` near zero with a long `execute` means the device finished before the host launched more."""
     import os
@@ -71,6 +71,11 @@ def time_prefill_steps(llm, rounds: int = 2):
         sync()
         print(f"\n===== round {r}")
         step = 0
+        profiler = None
+        if cprofile and r == rounds - 1:
+            import cProfile
+            profiler = cProfile.Profile()
+            profiler.enable()
         while llm.engine.has_unfinished():
             TOTALS.clear()
             t = time.perf_counter()
@@ -79,6 +84,10 @@ def time_prefill_steps(llm, rounds: int = 2):
             print(f"step {step:2d} ({num_prefill:5d} prefill + {num_decode:3d} decode tokens): {wall * 1e3:6.2f} ms | "
                   + " ".join(f"{name} {total * 1e3:.2f}" for name, total in sorted(TOTALS.items(), key=lambda kv: -kv[1])))
             step += 1
+        if profiler is not None:
+            import pstats
+            profiler.disable()
+            pstats.Stats(profiler).sort_stats("tottime").print_stats(cprofile)
 
 
 def main():
@@ -87,12 +96,14 @@ def main():
     ap.add_argument("--config", default=DEFAULT_CONFIG)
     ap.add_argument("--steps", type=int, default=200)
     ap.add_argument("--prefill", action="store_true", help="time the steps of bench.py's prompts (2 new tokens each)")
+    ap.add_argument("--cprofile", type=int, default=0, metavar="N",
+                    help="with --prefill: the N Python functions with the most own time in the second round (cProfile)")
     args = ap.parse_args()
     llm = random_weight_llm(args.config)
     engine = llm.engine
     instrument(engine)
     if args.prefill:
-        time_prefill_steps(llm)
+        time_prefill_steps(llm, cprofile=args.cprofile)
         llm.shutdown()
         return
     rng = random.Random(0)

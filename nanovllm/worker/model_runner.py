@@ -104,6 +104,11 @@ class ModelRunner:
                                                 config.max_model_len, capture_sampler=config.tensor_parallel_size == 1)
             self.graph_runner.capture()
             self._token_ring = PinnedTokenRing(config.max_num_seqs)
+        if self.device.type == "cuda":
+            # The KV sizing and the graph capture empty the allocator's cache; the largest step takes
+            # its activations back now, so the first long prefill of a run does not cudaMalloc them.
+            self._largest_step(config.max_num_batched_tokens, min(config.max_num_seqs, config.max_num_batched_tokens),
+                               self.num_blocks)
 
     # ---- KV cache -----------------------------------------------------------------------
     @property
@@ -137,19 +142,27 @@ class ModelRunner:
         return kv
 
     @torch.inference_mode()
-    def warmup(self, num_tokens: int, num_seqs: int) -> int:
-        """Run a step of num_tokens prompt tokens over num_seqs sequences (all sampling), on a
-        temporary cache. Returns the temporary cache's size in bytes."""
+    def _largest_step(self, num_tokens: int, num_seqs: int, num_blocks: int | None = None):
+        """Run a step of num_tokens prompt tokens over num_seqs sequences (all sampling): the step
+        with the most activation memory. Block ids are taken modulo num_blocks (default: as many
+        as it needs); before the first request any block will do."""
         from nanovllm.sampling_params import SamplingParams
         per_seq = max(1, min(num_tokens // num_seqs, self.config.max_model_len - 1))
         seqs = [Sequence([0] * per_seq, SamplingParams(temperature=1.0), seed=i) for i in range(num_seqs)]
         blocks_per_seq = -(-per_seq // self.block_size)
+        num_blocks = num_blocks or num_seqs * blocks_per_seq
         for i, seq in enumerate(seqs):
-            seq.block_table = list(range(i * blocks_per_seq, (i + 1) * blocks_per_seq))
-        kv = self._allocate_kv_cache(num_seqs * blocks_per_seq)
+            seq.block_table = [b % num_blocks for b in range(i * blocks_per_seq, (i + 1) * blocks_per_seq)]
         batch = ScheduledBatch(seqs, [per_seq] * num_seqs, num_decodes=num_seqs if per_seq == 1 else 0)
         self.execute(batch).token_ids()
         self._last_sampled, self._last_row_of_seq = None, {}
+
+    @torch.inference_mode()
+    def warmup(self, num_tokens: int, num_seqs: int) -> int:
+        """Run the largest step on a temporary cache. Returns the temporary cache's size in bytes."""
+        per_seq = max(1, min(num_tokens // num_seqs, self.config.max_model_len - 1))
+        kv = self._allocate_kv_cache(num_seqs * -(-per_seq // self.block_size))
+        self._largest_step(num_tokens, num_seqs)
         bytes_ = kv.numel() * kv.element_size()
         for attn in self.model.attention_layers:  # the layers' views would keep the cache alive
             attn.k_cache = attn.v_cache = torch.tensor([])
