@@ -4,7 +4,8 @@
 # Stages can be picked with STAGES="tests kernels bench single bench8b" (that default), or with
 # any of: eager (enforce_eager=True), nosplitk (A/B of the split-K projections), topp (top-p/top-k),
 # nopdl (programmatic dependent launch off), profile (device busy vs idle over a run, top kernels),
-# host (host time per engine-step stage at a few batch sizes), gemm (decode projections: cuBLAS vs our
+# host (host time per engine-step stage at a few batch sizes), hostprefill (the same for the benchmark's
+# prefill steps), gemm (decode projections: cuBLAS vs our
 # GEMM over a tile sweep), sample (the sampling pass at decode batch sizes).
 set -o pipefail
 OUTDIR=${1:-${OUT:-/tmp/nanovllm-gpu}}
@@ -30,6 +31,7 @@ for stage in $STAGES; do
     nopdl)   NANOVLLM_PDL=0 run nopdl python3 bench.py --json "$OUTDIR/bench_qwen3_0.6b_nopdl.json" ;;
     profile) run profile python3 bench.py --profile ;;
     host)    run host python3 scripts/host_timing.py ;;
+    hostprefill) run hostprefill python3 scripts/host_timing.py --prefill ;;
     gemm)    run gemm python3 scripts/bench_decode_gemm.py ;;
     sample)  run sample python3 scripts/bench_sample.py ;;
     single)  run single python3 bench.py --single --json "$OUTDIR/bench_single.json" ;;
