@@ -210,7 +210,8 @@ def main():
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--top-p", type=float, default=1.0, help="sampling filter to price (default: off)")
     ap.add_argument("--top-k", type=int, default=-1)
-    ap.add_argument("--repeat", type=int, default=1, help="timed runs (the first is the reported figure)")
+    ap.add_argument("--repeat", type=int, default=1,
+                    help="timed runs, the later ones on other prompt tokens (the first is the reported figure)")
     ap.add_argument("--json", help="write the figures to this file")
     ap.add_argument("--no-split-k", action="store_true", help="o/down projections on cuBLAS instead of split-K (A/B of split-K)")
     ap.add_argument("--log-compiles", action="store_true",
@@ -276,9 +277,15 @@ def main():
             for key in ("num_device_alloc", "num_device_free", "num_alloc_retries")))
     steps, times = list(recorder.steps), list(recorder.times)
     for i in range(1, args.repeat):
+        # Other prompt tokens of the same lengths: the same prompts would hit the prefix cache.
+        first_step = len(recorder.times)
         again = time.perf_counter()
-        llm.generate(prompts, params, use_tqdm=False)
-        print(f"repeat {i}: {time.perf_counter() - again:.2f}s")
+        llm.generate([[(t + i) % 10000 for t in p] for p in prompts], params, use_tqdm=False)
+        took = time.perf_counter() - again
+        walls = [b - a for a, b in zip(recorder.times[first_step:], recorder.times[first_step + 1:] + [again + took])]
+        prefill = [w for (nd, new, _, _), w in zip(recorder.steps[first_step:], walls) if len(new) > nd]
+        print(f"repeat {i} (fresh prompt tokens): {took:.2f}s, {sum(p.max_tokens for p in params) / took:,.0f} tok/s; "
+              f"prefill/mixed {sum(prefill):.3f}s, step walls (ms): " + " ".join(f"{1e3 * w:.1f}" for w in prefill))
     ab = {"ours": [], "minimal": []}
     if args.sampler_ab:
         sampler = getattr(llm.engine.model_runner, "sampler", None)
