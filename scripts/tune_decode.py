@@ -3,6 +3,8 @@
     python scripts/tune_decode.py            (on the GPU machine)
     python scripts/tune_decode.py --buckets  (default config only, batch sizes 8-256: efficiency per
                                               batch size, the engine's split count against others)
+    python scripts/tune_decode.py --buckets --balanced   (also the balanced schedule of
+                                              kernels/paged_decode_balanced.py, at 1-3 programs per SM)
 
 For each batch (context lengths drawn like the nano-vllm workload at several points of its run)
 it times every (BLOCK_N, num_warps, num_stages) with and without longest-first dispatch and a few
@@ -22,6 +24,10 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 from bench import measure_device  # noqa: E402
 from nanovllm.kernels.paged_decode import (_decode_config, alloc_decode_workspace, choose_num_splits,  # noqa: E402
                                            paged_decode_attention)
+from nanovllm.kernels.paged_decode_balanced import balanced_num_programs, paged_decode_attention_balanced  # noqa: E402
+
+BALANCED = False  # --balanced
+BALANCED_WS = None
 
 HQ, HKV, D, PAGE = 16, 8, 128, 256  # Qwen3-0.6B's attention, the default block size
 
@@ -61,6 +67,21 @@ def buckets_one(bw, k_cache, v_cache, ws, num_blocks, config):
         kv_bytes = sum(lens) * HKV * D * 2 * 2
         engine = choose_num_splits(batch, HQ, HKV, D, q.device, 4096)
         line = f"B={batch:3d} ctx~{sum(lens) // batch:4d} KV {kv_bytes / 1e6:6.1f} MB:"
+        if BALANCED:
+            expect = paged_decode_attention(q, k_cache, v_cache, tables, seq_lens, D ** -0.5, workspace=ws, order=order)
+            for per_sm in (1, 2, 3):
+                programs = balanced_num_programs(q.device, per_sm)
+
+                def call():
+                    return paged_decode_attention_balanced(q, k_cache, v_cache, tables, seq_lens, D ** -0.5,
+                                                           num_programs=programs, workspace=BALANCED_WS)
+                try:
+                    torch.testing.assert_close(call().float(), expect.float(), atol=2e-2, rtol=2e-2)
+                    us = triton.testing.do_bench_cudagraph(call, rep=30, return_mode="median") * 1e3
+                except Exception as e:
+                    line += f"  balanced x{per_sm}: {type(e).__name__} {str(e)[:60]}"
+                    continue
+                line += f"  balanced x{per_sm} {us:6.1f} us {kv_bytes / (us * 1e-6) / bw:4.0%}"
         for splits in sorted({engine, 1, 2, 4, 8}):
             def call():
                 return paged_decode_attention(q, k_cache, v_cache, tables, seq_lens, D ** -0.5, num_splits=splits,
@@ -80,7 +101,12 @@ def main():
     ap.add_argument("--buckets", action="store_true", help="a few configs at batch sizes 8-256 only")
     ap.add_argument("--configs", default="64,4,3,1 64,4,3,0 64,4,4,1",
                     help="with --buckets: BLOCK_N,warps,stages,prefetch_blocks (0/1); the first is the default")
+    ap.add_argument("--balanced", action="store_true", help="with --buckets: also the balanced (stream-K) schedule")
     args = ap.parse_args()
+    global BALANCED, BALANCED_WS
+    if args.balanced:
+        rows = balanced_num_programs(torch.device("cuda"), 3) * 2 * 16
+        BALANCED, BALANCED_WS = True, (torch.empty(rows * D, device="cuda"), torch.empty(rows, device="cuda"))
     torch.manual_seed(0)
     random.seed(0)
     bw = measure_device(torch.device("cuda"))[0]

@@ -1,9 +1,16 @@
 """Attention on the GPU with our Triton kernels: paged KV store, flash-decoding for the decode
 rows and a varlen paged prefill kernel for the rest (chunks, prefix hits, whole prompts)."""
 
+import os
+
 from nanovllm.attention.base import AttentionBackend, AttentionMetadata
 from nanovllm.kernels import paged_decode_attention, paged_prefill_attention, store_kv_cache
-from nanovllm.kernels.paged_decode import alloc_decode_workspace, choose_num_splits
+from nanovllm.kernels.paged_decode import _decode_config, alloc_decode_workspace, choose_num_splits
+from nanovllm.kernels.paged_decode_balanced import balanced_num_programs, paged_decode_attention_balanced
+
+# EXPERIMENT, off by default until measured end to end on the GPU: decode attention with the work
+# balanced over one wave of persistent programs (kernels/paged_decode_balanced.py).
+BALANCED_DECODE = os.environ.get("NANOVLLM_BALANCED_DECODE", "0") == "1"
 
 
 class TritonAttentionBackend(AttentionBackend):
@@ -13,6 +20,7 @@ class TritonAttentionBackend(AttentionBackend):
 
     def __init__(self):
         self.workspace = None
+        self.balanced = None  # (programs, workspace) with BALANCED_DECODE
 
     def setup(self, max_num_seqs, num_q_heads, num_kv_heads, head_dim, max_model_len, device):
         # Split partials for the worst batch size (B x splits(B) peaks at some B), allocated once
@@ -20,12 +28,21 @@ class TritonAttentionBackend(AttentionBackend):
         rows = max(b * choose_num_splits(b, num_q_heads, num_kv_heads, head_dim, device, max_model_len)
                    for b in range(1, max_num_seqs + 1))
         self.workspace = alloc_decode_workspace(rows, num_q_heads, head_dim, 1, device)
+        if BALANCED_DECODE:
+            programs = balanced_num_programs(device)
+            block_g = _decode_config(head_dim, num_q_heads // num_kv_heads)[0]
+            self.balanced = (programs, alloc_decode_workspace(programs * 2, block_g, head_dim, 1, device))
 
     def store_kv(self, k, v, k_cache, v_cache, slot_mapping):
         store_kv_cache(k, v, k_cache, v_cache, slot_mapping)
 
     def decode(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float, out):
         nd = meta.num_decodes
+        if self.balanced is not None:
+            programs, workspace = self.balanced
+            paged_decode_attention_balanced(q, k_cache, v_cache, meta.block_tables[:nd], meta.seq_lens[:nd], scale,
+                                            out=out, num_programs=programs, workspace=workspace)
+            return
         hint = meta.max_seq_len_bound or meta.max_seq_len
         splits = choose_num_splits(nd, q.shape[1], k_cache.shape[2], q.shape[2], q.device, hint)
         paged_decode_attention(q, k_cache, v_cache, meta.block_tables[:nd], meta.seq_lens[:nd], scale,

@@ -36,8 +36,9 @@ def _meta(device, gen):
     return meta, positions.to(device)
 
 
+@pytest.mark.parametrize("balanced", [False, True])  # the experimental decode schedule
 @pytest.mark.parametrize("arch", ["qwen3", "llama"])  # with and without q/k norm
-def test_fused_kv_store_matches_plain_path(arch, device, gen, monkeypatch):
+def test_fused_kv_store_matches_plain_path(arch, balanced, device, gen, monkeypatch):
     config = ARCHS[arch]()
     qk_norm = arch == "qwen3"
     layer = DecoderAttention(config, qkv_bias=False, o_bias=False, qk_norm=qk_norm)
@@ -57,8 +58,10 @@ def test_fused_kv_store_matches_plain_path(arch, device, gen, monkeypatch):
         return layer(positions, x, meta), cache
 
     expect, expect_cache = run(TorchAttentionBackend())
+    monkeypatch.setattr(triton_backend, "BALANCED_DECODE", balanced)
     fused = TritonAttentionBackend()
     fused.setup(4, layer.num_heads, layer.num_kv_heads, layer.head_dim, 64, device)
+    assert (fused.balanced is not None) == balanced
     assert fused.fuses_kv_store and not TorchAttentionBackend.fuses_kv_store
 
     def no_store(*args):
