@@ -1,5 +1,6 @@
 """Decode attention with the work balanced across a fixed number of persistent programs
-(EXPERIMENT, not wired into the engine: measure it with `scripts/tune_decode.py --balanced`).
+(EXPERIMENT, not yet run on a GPU: the engine uses it only with NANOVLLM_BALANCED_DECODE=1;
+`scripts/tune_decode.py --buckets --balanced` times it against `paged_decode.py`).
 
 `paged_decode.py` gives each (sequence, KV head, split) its own program; at 16-127 sequences the
 programs are short and few waves deep, and the kernel's start and ragged tail cost 10-40% of its
@@ -135,10 +136,10 @@ def _balanced_decode_kernel(
 def _merge_kernel(seq_lens_ptr, out_ptr, part_o_ptr, part_lse_ptr, stride_ob, stride_oh, batch, num_programs,
                   GROUP: tl.constexpr, HEAD_BLOCKS: tl.constexpr, UNITS: tl.constexpr, BLOCK_G: tl.constexpr,
                   HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_B: tl.constexpr):
-    pdl_prologue()
     b = tl.program_id(0)
     unit = tl.program_id(1)
-    idx, tiles, firsts, total = _plan(seq_lens_ptr, batch, UNITS, BLOCK_N, BLOCK_B)
+    idx, tiles, firsts, total = _plan(seq_lens_ptr, batch, UNITS, BLOCK_N, BLOCK_B)  # step inputs: before the wait
+    pdl_prologue()
     nb = tl.sum(tl.where(idx == b, tiles, 0), 0)
     start = tl.sum(tl.where(idx == b, firsts, 0), 0) + unit * nb
     # The programs holding the item's first and last tile (program p holds [p*T//P, (p+1)*T//P)).

@@ -13,6 +13,7 @@ KERNELS = pathlib.Path(pdl.__file__).parent
 EARLY_READS = {
     "_decode_split_kernel": {"order_ptr", "seq_lens_ptr", "block_tables_ptr"},
     "_balanced_decode_kernel": {"seq_lens_ptr", "block_tables_ptr"},
+    "_merge_kernel": {"seq_lens_ptr"},  # paged_decode_balanced.py's
     "_rms_norm_kernel": {"w_ptr"},
     "_qkv_rope_kernel": {"pos_ptr", "cs_ptr", "slot_ptr"},
     "_qk_norm_rope_kernel": {"pos_ptr", "cs_ptr"},
@@ -65,6 +66,8 @@ def _early_pointer_reads(fn: ast.FunctionDef) -> set[str]:
             if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and (
                     node.func.attr == "load" or node.func.attr.startswith("atomic_")) and node.args:
                 read |= origin(_names(node.args[0]))
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Name):  # a jit helper may read what it is given
+                read |= origin(set().union(*(_names(a) for a in node.args), set()))
             if isinstance(node, (ast.Assign, ast.AugAssign, ast.AnnAssign)) and node.value is not None:
                 targets = node.targets if isinstance(node, ast.Assign) else [node.target]
                 for target in targets:
@@ -94,3 +97,5 @@ def _x_kernel(a_ptr, b_ptr, n):
 '''
     fn = ast.parse(src).body[0]
     assert _early_pointer_reads(fn) == {"b_ptr"}
+    helper = src.replace("v = tl.load(base + 1)", "v = _helper(base, n)")
+    assert _early_pointer_reads(ast.parse(helper).body[0]) == {"b_ptr"}
