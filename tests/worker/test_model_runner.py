@@ -1,0 +1,31 @@
+"""Start-up work of the model runner and the engine that must leave nothing behind."""
+import gc
+
+from nanovllm import LLM, SamplingParams
+
+KWARGS = dict(dtype="float32", max_model_len=256, max_num_batched_tokens=512, max_num_seqs=8)
+
+
+def _generate(llm):
+    prompts = [[1, 2, 3, 4, 5], [7] * 40, list(range(100, 190))]
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    return [o["token_ids"] for o in llm.generate(prompts, params, use_tqdm=False)]
+
+
+def test_largest_step_leaves_no_state_behind(model_factory):
+    """The step that takes the activations back into the allocator at the end of a GPU start-up
+    writes into cache blocks no request holds yet: later outputs must not change."""
+    path = model_factory("qwen3")
+    with LLM(path, **KWARGS) as llm:
+        expect = _generate(llm)
+    with LLM(path, **KWARGS) as llm:
+        runner = llm.engine.model_runner
+        runner._largest_step(llm.config.max_num_batched_tokens, llm.config.max_num_seqs, runner.num_blocks)
+        assert _generate(llm) == expect
+
+
+def test_engine_freezes_its_start_up_heap_until_shutdown(model_factory):
+    with LLM(model_factory("qwen3"), **KWARGS) as llm:
+        assert gc.get_freeze_count() > 0  # out of the collector's reach while the engine runs
+        _generate(llm)
+    assert gc.get_freeze_count() == 0
