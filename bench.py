@@ -100,13 +100,23 @@ def roofline(cfg, steps, bandwidth: float, flops: float, dtype_bytes: int = 2) -
             "ideal_time_s": t_mem + t_compute, "steps": len(steps), "step_ideal_s": step_ideal}
 
 
+def step_walls(times: list[float], end: float) -> list[float]:
+    """Each step's wall time: the gap between its scheduling and the next step's (or the run's end)."""
+    return [b - a for a, b in zip(times, times[1:] + [end])]
+
+
+def prefill_walls(steps, walls) -> list[float]:
+    """The walls of the steps that carry prompt tokens (prefill and mixed steps)."""
+    return [w for (num_decodes, new, _, _), w in zip(steps, walls) if len(new) > num_decodes]
+
+
 def step_breakdown(steps, times, end: float, step_ideal) -> list[dict]:
     """Wall time against ideal time, by kind of step: where the run loses to the roofline."""
     bins = [("prefill/mixed", lambda nd, n: n > nd), ("decode 1-15", lambda nd, n: n == nd < 16),
             ("decode 16-63", lambda nd, n: n == nd and 16 <= nd < 64),
             ("decode 64-127", lambda nd, n: n == nd and 64 <= nd < 128),
             ("decode 128+", lambda nd, n: n == nd >= 128)]
-    walls = [b - a for a, b in zip(times, times[1:] + [end])]
+    walls = step_walls(times, end)
     rows = []
     for name, pick in bins:
         idx = [i for i, (nd, new, _, _) in enumerate(steps) if pick(nd, len(new))]
@@ -138,7 +148,7 @@ def minimal_sample(logits, meta):
     return SamplerOutput(tokens)
 
 
-class record_gc_pauses:
+class GcPauses:
     """The cyclic garbage collector's pauses from now on (gc.callbacks), by generation."""
 
     def __init__(self):
@@ -257,7 +267,7 @@ def main():
         before = torch.cuda.memory_stats()
         if args.alloc_trace:
             torch.cuda.memory._record_memory_history(max_entries=1_000_000, stacks="python")
-    gc_pauses = record_gc_pauses()
+    gc_pauses = GcPauses()
     start = time.perf_counter()
     outputs = llm.generate(prompts, params, use_tqdm=False)
     elapsed = time.perf_counter() - start
@@ -282,8 +292,7 @@ def main():
         again = time.perf_counter()
         llm.generate([[(t + i) % 10000 for t in p] for p in prompts], params, use_tqdm=False)
         took = time.perf_counter() - again
-        walls = [b - a for a, b in zip(recorder.times[first_step:], recorder.times[first_step + 1:] + [again + took])]
-        prefill = [w for (nd, new, _, _), w in zip(recorder.steps[first_step:], walls) if len(new) > nd]
+        prefill = prefill_walls(recorder.steps[first_step:], step_walls(recorder.times[first_step:], again + took))
         print(f"repeat {i} (fresh prompt tokens): {took:.2f}s, {sum(p.max_tokens for p in params) / took:,.0f} tok/s; "
               f"prefill/mixed {sum(prefill):.3f}s, step walls (ms): " + " ".join(f"{1e3 * w:.1f}" for w in prefill))
     ab = {"ours": [], "minimal": []}
@@ -327,9 +336,8 @@ def main():
     print(f"Total: {out_tokens} tok, Time: {elapsed:.2f}s, Throughput: {throughput:,.0f} tok/s")
     print(f"Roofline (measured {bandwidth / 1e12:.2f} TB/s, {flops / 1e12:.0f} TFLOP/s, {roof['steps']} steps): "
           f"ideal {roof['ideal_time_s']:.2f}s = {ideal_tput:,.0f} tok/s; achieved {throughput / ideal_tput:.1%}")
-    walls = [b - a for a, b in zip(times, times[1:] + [start + elapsed])]
     print(f"  before the first step {1e3 * (times[0] - start):.1f} ms; prefill/mixed step walls (ms): " + " ".join(
-        f"{1e3 * w:.1f}" for (nd, new, _, _), w in zip(steps, walls) if len(new) > nd))
+        f"{1e3 * w:.1f}" for w in prefill_walls(steps, step_walls(times, start + elapsed))))
     for row in result["breakdown"]:
         print(f"  {row['steps']:>14}: {row['count']:5d} steps, wall {row['wall_s']:.3f}s "
               f"({row['wall_ms_per_step']:.2f} ms/step), ideal {row['ideal_s']:.3f}s ({row['ideal_ms_per_step']:.2f} ms/step)")
