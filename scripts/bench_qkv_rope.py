@@ -18,12 +18,9 @@ from nanovllm.kernels.fused_ops import qk_norm_rope_store_kv  # noqa: E402
 from nanovllm.kernels.gemm import GemmConfig, dense_config, dense_linear  # noqa: E402
 from nanovllm.kernels.qkv_rope import QkvRopeConfig, qkv_rope_config, qkv_rope_store_kv  # noqa: E402
 from nanovllm.layers.rotary import RotaryEmbedding  # noqa: E402
+from bench_gemm_tiles import COPIES, per_call_us  # noqa: E402  (scripts/ is sys.path[0])
 
-HQ, HKV, D, HIDDEN, COPIES = 16, 8, 128, 1024, 8
-
-
-def per_call_us(fn):
-    return triton.testing.do_bench_cudagraph(lambda: [fn(i) for i in range(COPIES)], rep=20) * 1e3 / COPIES
+HQ, HKV, D, HIDDEN = 16, 8, 128, 1024
 
 
 def main():

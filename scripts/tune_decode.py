@@ -24,7 +24,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 from bench import measure_device  # noqa: E402
 from nanovllm.kernels.paged_decode import (_decode_config, alloc_decode_workspace, choose_num_splits,  # noqa: E402
                                            paged_decode_attention)
-from nanovllm.kernels.paged_decode_balanced import balanced_num_programs, paged_decode_attention_balanced  # noqa: E402
+from nanovllm.kernels.paged_decode_balanced import (alloc_balanced_workspace, balanced_num_programs,  # noqa: E402
+                                                    paged_decode_attention_balanced)
 
 BALANCED = False  # --balanced
 BALANCED_WS = None
@@ -105,8 +106,8 @@ def main():
     args = ap.parse_args()
     global BALANCED, BALANCED_WS
     if args.balanced:
-        rows = balanced_num_programs(torch.device("cuda"), 3) * 2 * 16
-        BALANCED, BALANCED_WS = True, (torch.empty(rows * D, device="cuda"), torch.empty(rows, device="cuda"))
+        programs = balanced_num_programs(torch.device("cuda"), 3)  # the most the sweep uses
+        BALANCED, BALANCED_WS = True, alloc_balanced_workspace(programs, HQ, HKV, D, torch.device("cuda"))
     torch.manual_seed(0)
     random.seed(0)
     bw = measure_device(torch.device("cuda"))[0]

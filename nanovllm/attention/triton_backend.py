@@ -5,8 +5,9 @@ import os
 
 from nanovllm.attention.base import AttentionBackend, AttentionMetadata
 from nanovllm.kernels import paged_decode_attention, paged_prefill_attention, store_kv_cache
-from nanovllm.kernels.paged_decode import _decode_config, alloc_decode_workspace, choose_num_splits
-from nanovllm.kernels.paged_decode_balanced import balanced_num_programs, paged_decode_attention_balanced
+from nanovllm.kernels.paged_decode import alloc_decode_workspace, choose_num_splits
+from nanovllm.kernels.paged_decode_balanced import (alloc_balanced_workspace, balanced_num_programs,
+                                                    paged_decode_attention_balanced)
 
 # EXPERIMENT, off by default until measured end to end on the GPU: decode attention with the work
 # balanced over one wave of persistent programs (kernels/paged_decode_balanced.py).
@@ -30,8 +31,7 @@ class TritonAttentionBackend(AttentionBackend):
         self.workspace = alloc_decode_workspace(rows, num_q_heads, head_dim, 1, device)
         if BALANCED_DECODE:
             programs = balanced_num_programs(device)
-            block_g = _decode_config(head_dim, num_q_heads // num_kv_heads)[0]
-            self.balanced = (programs, alloc_decode_workspace(programs * 2, block_g, head_dim, 1, device))
+            self.balanced = (programs, alloc_balanced_workspace(programs, num_q_heads, num_kv_heads, head_dim, device))
 
     def store_kv(self, k, v, k_cache, v_cache, slot_mapping):
         store_kv_cache(k, v, k_cache, v_cache, slot_mapping)

@@ -34,6 +34,21 @@ _MIN_KEYS_PER_SPLIT = 128  # below this a split is mostly launch/merge overhead
 _MAX_SPLITS = 64
 
 
+@triton.jit
+def attend_tile(q, k, v, n_mask, m_i, l_i, acc, qk_scale, DOT_PREC: tl.constexpr):
+    """One K/V tile of the online softmax: the group's queries q [BLOCK_G, D] against keys k and
+    values v [BLOCK_N, D] (n_mask: the keys that exist), folded into the running max m_i, sum l_i
+    and output acc. Returns the three updated."""
+    s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * qk_scale  # [BLOCK_G, BLOCK_N]
+    s = tl.where(n_mask[None, :], s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(s - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PREC)
+    return m_new, l_i, acc
+
+
 # Per-step values are not specialised on: one compiled variant serves every batch.
 @triton.jit(do_not_specialize=["stride_bt", "num_splits"])
 def _decode_split_kernel(
@@ -123,14 +138,7 @@ def _decode_split_kernel(
         v = tl.load(v_head + (blk * stride_vb + tok * stride_vt)[:, None] + d[None, :],
                     mask=kv_mask, other=0.0)
 
-        s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * qk_scale  # [BLOCK_G, BLOCK_N]
-        s = tl.where(n_mask[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PREC)
-        m_i = m_new
+        m_i, l_i, acc = attend_tile(q, k, v, n_mask, m_i, l_i, acc, qk_scale, DOT_PREC)
 
     # Empty range (padding row, or a split beyond a short sequence): l_i == 0.
     has_keys = l_i > 0.0

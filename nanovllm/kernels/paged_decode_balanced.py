@@ -18,7 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-from nanovllm.kernels.paged_decode import _LOG2E, _NEG_INIT, _decode_config, _device_sms
+from nanovllm.kernels.paged_decode import _LOG2E, _NEG_INIT, _decode_config, _device_sms, attend_tile
 from nanovllm.kernels.pdl import PDL_LAUNCH, pdl_prologue
 
 
@@ -92,14 +92,7 @@ def _balanced_decode_kernel(
             kv_mask = n_mask[:, None] & d_mask[None, :]
         k = tl.load(k_cache_ptr + kv_head * stride_kh + row_off[:, None] + d[None, :], mask=kv_mask, other=0.0)
         v = tl.load(v_cache_ptr + kv_head * stride_vh + row_off[:, None] + d[None, :], mask=kv_mask, other=0.0)
-        s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * qk_scale
-        s = tl.where(n_mask[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        alpha = tl.exp2(m_i - m_new)
-        prob = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(prob, 1)
-        acc = acc * alpha[:, None] + tl.dot(prob.to(v.dtype), v, input_precision=DOT_PREC)
-        m_i = m_new
+        m_i, l_i, acc = attend_tile(q, k, v, n_mask, m_i, l_i, acc, qk_scale, DOT_PREC)
 
         end_item = tile == nb - 1
         if end_item | (t == t1 - 1):
@@ -181,6 +174,15 @@ def balanced_num_programs(device: torch.device, programs_per_sm: int = 2) -> int
     return programs_per_sm * _device_sms(device)
 
 
+def alloc_balanced_workspace(num_programs: int, num_q_heads: int, num_kv_heads: int, head_dim: int,
+                             device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(part_o, part_lse) for `num_programs` programs: two partial segments each (CUDA graphs need
+    fixed addresses, so the engine allocates them once)."""
+    rows = num_programs * 2 * _decode_config(head_dim, num_q_heads // num_kv_heads)[0]
+    return (torch.empty(rows * head_dim, dtype=torch.float32, device=device),
+            torch.empty(rows, dtype=torch.float32, device=device))
+
+
 def paged_decode_attention_balanced(q, k_cache, v_cache, block_tables, seq_lens, scale, out=None,
                                     num_programs: int | None = None, workspace=None, _config=None):
     """Same contract as `paged_decode.paged_decode_attention` (q [B, Hq, D], caches [blocks,
@@ -204,8 +206,7 @@ def paged_decode_attention_balanced(q, k_cache, v_cache, block_tables, seq_lens,
     programs = num_programs or balanced_num_programs(q.device)
     rows = programs * 2 * block_g
     if workspace is None:
-        workspace = (torch.empty(rows * head_dim, dtype=torch.float32, device=q.device),
-                     torch.empty(rows, dtype=torch.float32, device=q.device))
+        workspace = alloc_balanced_workspace(programs, num_q_heads, num_kv_heads, head_dim, q.device)
     part_o, part_lse = workspace[0].view(-1)[: rows * head_dim], workspace[1].view(-1)[:rows]
     block_b = max(16, triton.next_power_of_2(batch))
     dot_prec = "ieee" if q.dtype == torch.float32 else "tf32"

@@ -141,15 +141,19 @@ class ModelRunner:
             attn.k_cache, attn.v_cache = kv[0, i], kv[1, i]
         return kv
 
+    def _largest_step_layout(self, num_tokens: int, num_seqs: int) -> tuple[int, int]:
+        """(tokens per sequence, cache blocks per sequence) of `_largest_step`."""
+        per_seq = max(1, min(num_tokens // num_seqs, self.config.max_model_len - 1))
+        return per_seq, -(-per_seq // self.block_size)
+
     @torch.inference_mode()
     def _largest_step(self, num_tokens: int, num_seqs: int, num_blocks: int | None = None):
         """Run a step of num_tokens prompt tokens over num_seqs sequences (all sampling): the step
         with the most activation memory. Block ids are taken modulo num_blocks (default: as many
         as it needs); before the first request any block will do."""
         from nanovllm.sampling_params import SamplingParams
-        per_seq = max(1, min(num_tokens // num_seqs, self.config.max_model_len - 1))
+        per_seq, blocks_per_seq = self._largest_step_layout(num_tokens, num_seqs)
         seqs = [Sequence([0] * per_seq, SamplingParams(temperature=1.0), seed=i) for i in range(num_seqs)]
-        blocks_per_seq = -(-per_seq // self.block_size)
         num_blocks = num_blocks or num_seqs * blocks_per_seq
         for i, seq in enumerate(seqs):
             seq.block_table = [b % num_blocks for b in range(i * blocks_per_seq, (i + 1) * blocks_per_seq)]
@@ -160,8 +164,7 @@ class ModelRunner:
     @torch.inference_mode()
     def warmup(self, num_tokens: int, num_seqs: int) -> int:
         """Run the largest step on a temporary cache. Returns the temporary cache's size in bytes."""
-        per_seq = max(1, min(num_tokens // num_seqs, self.config.max_model_len - 1))
-        kv = self._allocate_kv_cache(num_seqs * -(-per_seq // self.block_size))
+        kv = self._allocate_kv_cache(num_seqs * self._largest_step_layout(num_tokens, num_seqs)[1])
         self._largest_step(num_tokens, num_seqs)
         bytes_ = kv.numel() * kv.element_size()
         for attn in self.model.attention_layers:  # the layers' views would keep the cache alive
