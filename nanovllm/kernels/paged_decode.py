@@ -41,6 +41,14 @@ def attend_tile(q, k, v, n_mask, m_i, l_i, acc, qk_scale, DOT_PREC: tl.constexpr
     and output acc. Returns the three updated."""
     s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * qk_scale  # [BLOCK_G, BLOCK_N]
     s = tl.where(n_mask[None, :], s, float("-inf"))
+    return fold_scores(s, v, m_i, l_i, acc, DOT_PREC)
+
+
+@triton.jit
+def fold_scores(s, v, m_i, l_i, acc, DOT_PREC: tl.constexpr):
+    """The online softmax's update for one tile of base-2 scores s [rows, keys] (-inf: masked) and
+    its values v [keys, D]: returns the new running max, sum and output (m_i, l_i, acc). Shared by
+    the decode and prefill kernels."""
     m_new = tl.maximum(m_i, tl.max(s, 1))
     alpha = tl.exp2(m_i - m_new)
     p = tl.exp2(s - m_new[:, None])

@@ -17,6 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
+from nanovllm.kernels.paged_decode import fold_scores
 from nanovllm.kernels.pdl import PDL_LAUNCH, pdl_prologue
 
 _LOG2E = 1.4426950408889634
@@ -63,12 +64,8 @@ def _attend_tile(q, acc, m_i, l_i, n0, offs_n, bt_row, k_head, v_head, d, q_pos,
     if MASKED:
         causal = (pos[None, :] <= q_pos[:, None]) & n_mask[None, :]
         s = tl.where(causal, s, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(s, 1))
-    alpha = tl.exp2(m_i - m_new)
-    p = tl.exp2(s - m_new[:, None])
-    l_i = l_i * alpha + tl.sum(p, 1)
-    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PREC)
-    return acc, m_new, l_i
+    m_i, l_i, acc = fold_scores(s, v, m_i, l_i, acc, DOT_PREC)
+    return acc, m_i, l_i
 
 
 # The block-table width changes every step, and the engine passes the slices of seq_lens and
