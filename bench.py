@@ -15,6 +15,7 @@ import json
 import os
 import random
 import shutil
+import sys
 import tempfile
 import time
 
@@ -54,12 +55,19 @@ def measure_device(device: torch.device) -> tuple[float, float]:
 class ScheduleRecorder:
     """Wraps the scheduler to record, per step, the tokens computed and the context read."""
 
-    def __init__(self, scheduler):
+    def __init__(self, scheduler, stage_totals: dict | None = None):
         self.steps = []
         self.times = []  # perf_counter at each scheduled step: the gaps are step times once the GPU is busy
+        # With stage_totals (host_timing.py's per-stage timers): the host time per stage between one
+        # step's scheduling and the next one's (that step's launch and the previous step's results).
+        self.stages: list[dict] = []
         inner = scheduler.schedule
 
         def schedule():
+            if stage_totals is not None:
+                if self.times:
+                    self.stages.append(dict(stage_totals))
+                stage_totals.clear()
             batch = inner()
             if batch is not None:
                 self.times.append(time.perf_counter())
@@ -195,6 +203,17 @@ def profile_run(llm, prompts, params, top: int = 25, trace: str | None = None):
         print(f"  {us / 1e6:8.3f}s {100 * us / 1e6 / wall:5.1f}% {count:8d}x {us / count:9.1f}us  {name[:90]}")
 
 
+def print_host_stages(steps, walls, stages, decode_after: int = 3):
+    """Host time per stage of the prefill/mixed steps and the first decode steps after them: what a
+    long step wall was spent on (`wait` = blocked on the device)."""
+    last_prefill = max((i for i, (nd, new, _, _) in enumerate(steps) if len(new) > nd), default=-1)
+    for i in range(min(last_prefill + 1 + decode_after, len(steps), len(stages))):
+        nd, new, _, _ = steps[i]
+        kind = f"{sum(new) - sum(new[:nd]):5d} prompt + {nd:3d} decode tokens"
+        print(f"  step {i:2d} ({kind}): wall {1e3 * walls[i]:6.2f} ms | " + " ".join(
+            f"{name} {1e3 * t:.2f}" for name, t in sorted(stages[i].items(), key=lambda kv: -kv[1])))
+
+
 def model_dir(args) -> tuple[str, dict, str]:
     if args.model:
         with open(os.path.join(args.model, "config.json")) as f:
@@ -224,6 +243,9 @@ def main():
                     help="timed runs, the later ones on other prompt tokens (the first is the reported figure)")
     ap.add_argument("--json", help="write the figures to this file")
     ap.add_argument("--no-split-k", action="store_true", help="o/down projections on cuBLAS instead of split-K (A/B of split-K)")
+    ap.add_argument("--host-stages", action="store_true",
+                    help="time the host stages of every step of the timed run (scripts/host_timing.py's timers) "
+                         "and print them for the prefill/mixed steps and the first decode steps")
     ap.add_argument("--log-compiles", action="store_true",
                     help="print every Triton kernel variant compiled after start-up (with its specialisation)")
     ap.add_argument("--profile", action="store_true",
@@ -261,7 +283,13 @@ def main():
     llm.generate([[1, 2, 3, 4, 5]], SamplingParams(max_tokens=16), use_tqdm=False)  # warm-up
     if args.log_compiles:
         log_triton_compiles()
-    recorder = ScheduleRecorder(llm.engine.scheduler)
+    stage_totals = None
+    if args.host_stages:
+        sys.path.insert(0, os.path.join(HERE, "scripts"))
+        from host_timing import TOTALS, instrument
+        instrument(llm.engine)
+        stage_totals = TOTALS
+    recorder = ScheduleRecorder(llm.engine.scheduler, stage_totals)
     if device.type == "cuda":
         torch.cuda.synchronize()
         before = torch.cuda.memory_stats()
@@ -341,6 +369,8 @@ def main():
     for row in result["breakdown"]:
         print(f"  {row['steps']:>14}: {row['count']:5d} steps, wall {row['wall_s']:.3f}s "
               f"({row['wall_ms_per_step']:.2f} ms/step), ideal {row['ideal_s']:.3f}s ({row['ideal_ms_per_step']:.2f} ms/step)")
+    if args.host_stages:
+        print_host_stages(steps, step_walls(times, start + elapsed), recorder.stages)
     print(json.dumps(result))
     if args.json:
         with open(args.json, "w") as f:

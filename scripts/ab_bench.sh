@@ -4,7 +4,7 @@
 #   git diff > ab.diff                          (the change; untracked, it travels with the tree)
 #   bash scripts/ab_bench.sh ab.diff [ROUNDS]   (on the device machine; ROUNDS defaults to 1)
 # Each round runs `bench.py --log-compiles` (a Triton compile inside the timed run would skew an arm)
-# and `bench.py --single` per arm; BENCH_ARGS adds arguments to both (e.g. a --config).
+# and `bench.py --single` per arm (AB_SINGLE=0 skips it); BENCH_ARGS adds arguments to both (e.g. a --config).
 set -euo pipefail
 patch_file=$(realpath "$1")
 rounds=${2:-1}
@@ -18,6 +18,8 @@ for ((i = 1; i <= rounds; i++)); do
     dir=$([ "$arm" = A ] && echo "$base" || echo .)
     echo "=== round $i, arm $arm ($([ "$arm" = A ] && echo "without" || echo "with") $1)"
     (cd "$dir" && python bench.py --log-compiles ${BENCH_ARGS:-} 2>&1 | grep -E "Throughput|Roofline|steps, wall|step walls|triton compile|timed run|allocator|garbage" || true)
-    (cd "$dir" && python bench.py --single ${BENCH_ARGS:-} 2>&1 | grep "Throughput" || true)
+    if [ "${AB_SINGLE:-1}" != 0 ]; then
+      (cd "$dir" && python bench.py --single ${BENCH_ARGS:-} 2>&1 | grep "Throughput" || true)
+    fi
   done
 done

@@ -44,6 +44,7 @@ def instrument(engine):
     if runner.graph_runner is not None:
         runner.graph_runner.run = timed("graph run (copies + replay)", runner.graph_runner.run)
         torch.cuda.CUDAGraph.replay = timed("graph replay", torch.cuda.CUDAGraph.replay)
+    runner.model.forward = timed("model forward (eager launch)", runner.model.forward)
     runner.model.compute_logits = timed("logits", runner.model.compute_logits)
     runner.sampler.sample = timed("sample", runner.sampler.sample)
     model_runner_mod.StepOutput.__init__ = timed("StepOutput (D2H)", model_runner_mod.StepOutput.__init__)

@@ -5,6 +5,7 @@
                                               batch size, the engine's split count against others)
     python scripts/tune_decode.py --buckets --balanced   (also the balanced schedule of
                                               kernels/paged_decode_balanced.py, at 1-3 programs per SM)
+    python scripts/tune_decode.py --buckets --head-major (the same on a [block, head, token, dim] cache)
 
 For each batch (context lengths drawn like the nano-vllm workload at several points of its run)
 it times every (BLOCK_N, num_warps, num_stages) with and without longest-first dispatch and a few
@@ -103,6 +104,9 @@ def main():
     ap.add_argument("--configs", default="64,4,3,1 64,4,3,0 64,4,4,1",
                     help="with --buckets: BLOCK_N,warps,stages,prefetch_blocks (0/1); the first is the default")
     ap.add_argument("--balanced", action="store_true", help="with --buckets: also the balanced (stream-K) schedule")
+    ap.add_argument("--head-major", action="store_true",
+                    help="K/V cache memory in [block, head, token, dim] order (one head's tile contiguous), shown "
+                         "to the kernels as the usual [block, token, head, dim] strided view")
     args = ap.parse_args()
     global BALANCED, BALANCED_WS
     if args.balanced:
@@ -113,8 +117,13 @@ def main():
     bw = measure_device(torch.device("cuda"))[0]
     print(f"copy bandwidth {bw / 1e12:.2f} TB/s")
     num_blocks = 256 * 9
-    k_cache = torch.randn(num_blocks, PAGE, HKV, D, dtype=torch.bfloat16, device="cuda")
-    v_cache = torch.randn_like(k_cache)
+    if args.head_major:
+        k_cache = torch.randn(num_blocks, HKV, PAGE, D, dtype=torch.bfloat16, device="cuda").transpose(1, 2)
+        v_cache = torch.randn(num_blocks, HKV, PAGE, D, dtype=torch.bfloat16, device="cuda").transpose(1, 2)
+        print(f"head-major K/V cache, strides {k_cache.stride()}")
+    else:
+        k_cache = torch.randn(num_blocks, PAGE, HKV, D, dtype=torch.bfloat16, device="cuda")
+        v_cache = torch.randn_like(k_cache)
     ws = alloc_decode_workspace(256, HQ, D, 8, "cuda")
     if args.buckets:
         configs = [(*(int(v) for v in c.split(",")[:3]), c.split(",")[3] == "1") for c in args.configs.split()]

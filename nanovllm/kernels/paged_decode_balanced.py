@@ -1,6 +1,7 @@
-"""Decode attention with the work balanced across a fixed number of persistent programs
-(EXPERIMENT, not yet run on a GPU: the engine uses it only with NANOVLLM_BALANCED_DECODE=1;
-`scripts/tune_decode.py --buckets --balanced` times it against `paged_decode.py`).
+"""Decode attention with the work balanced across a fixed number of persistent programs (the engine
+uses it only with NANOVLLM_BALANCED_DECODE=1: measured on the H200 it wins alone below ~40 sequences,
+but not inside the engine, and it loses for one sequence; `attention/triton_backend.py` has the
+figures, `scripts/tune_decode.py --buckets --balanced` times it against `paged_decode.py`).
 
 `paged_decode.py` gives each (sequence, KV head, split) its own program; at 16-127 sequences the
 programs are short and few waves deep, and the kernel's start and ragged tail cost 10-40% of its

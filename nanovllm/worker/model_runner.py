@@ -12,6 +12,7 @@ from nanovllm.engine.scheduler import ScheduledBatch
 from nanovllm.engine.sequence import Sequence
 from nanovllm.layers.sampler import LogprobsLists, Sampler, SamplerOutput
 from nanovllm.models.loader import build_model, init_dummy_weights, load_weights
+from nanovllm.worker.gemm_warmup import warm_gemms
 from nanovllm.worker.inputs import (HostInputs, HostToDevice, TransferSlots, build_host_inputs, fill_decode_inputs,
                                     to_device)
 from nanovllm.worker.sampling_inputs import build_sampling_metadata
@@ -195,6 +196,9 @@ class ModelRunner:
                 seqs.append(seq)
             self.execute(ScheduledBatch(seqs, lens, num_decodes=sum(1 for n in lens if n == 1))).token_ids()
         self._last_sampled, self._last_row_of_seq = None, {}
+        warm_gemms(self.model, self.config.max_num_batched_tokens, self.config.max_num_seqs, self.device,
+                   self.config.torch_dtype)
+        torch.cuda.synchronize(self.device)
 
     # ---- one step -----------------------------------------------------------------------
     @torch.inference_mode()
