@@ -203,6 +203,53 @@ def profile_run(llm, prompts, params, top: int = 25, trace: str | None = None):
         print(f"  {us / 1e6:8.3f}s {100 * us / 1e6 / wall:5.1f}% {count:8d}x {us / count:9.1f}us  {name[:90]}")
 
 
+class ClockTrace:
+    """The GPU's SM clock and power draw sampled by `nvidia-smi -lms` while the timed run goes: does the
+    device slow down (power or thermal limits) during the compute-bound prefill steps?"""
+    FIELDS = "timestamp,clocks.sm,clocks.mem,power.draw,temperature.gpu"
+
+    def __init__(self, period_ms: int = 10):
+        import datetime
+        import subprocess
+        self._datetime = datetime
+        self.samples: list[tuple[float, float, float, float, float]] = []  # (unix time, sm MHz, mem MHz, W, C)
+        try:
+            self._proc = subprocess.Popen(["nvidia-smi", f"--query-gpu={self.FIELDS}", "--format=csv,noheader,nounits",
+                                           f"-lms={period_ms}"], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+                                          text=True)
+        except OSError as e:
+            print(f"clock trace: no nvidia-smi ({e})")
+            self._proc = None
+
+    def stop(self):
+        if self._proc is None:
+            return
+        self._proc.terminate()
+        out, _ = self._proc.communicate(timeout=10)
+        for line in out.splitlines():
+            parts = [p.strip() for p in line.split(",")]
+            try:
+                when = self._datetime.datetime.strptime(parts[0], "%Y/%m/%d %H:%M:%S.%f").timestamp()
+                self.samples.append((when, *(float(v) for v in parts[1:5])))
+            except (ValueError, IndexError):
+                continue
+
+    def report(self, segments: list[tuple[str, float, float]]):
+        """Per (name, unix start, unix end): SM clock min / mean / max, power and temperature."""
+        if self._proc is None:
+            return
+        print(f"clock trace: {len(self.samples)} samples")
+        for name, begin, end in segments:
+            inside = [s for s in self.samples if begin <= s[0] <= end]
+            if not inside:
+                print(f"  {name:>14}: no sample")
+                continue
+            sm, power, temp = [s[1] for s in inside], [s[3] for s in inside], [s[4] for s in inside]
+            print(f"  {name:>14}: SM clock {min(sm):.0f} / {sum(sm) / len(sm):.0f} / {max(sm):.0f} MHz (min / mean / "
+                  f"max), power {sum(power) / len(power):.0f} W (max {max(power):.0f}), {max(temp):.0f} C, "
+                  f"{len(inside)} samples")
+
+
 def print_host_stages(steps, walls, stages, decode_after: int = 3):
     """Host time per stage of the prefill/mixed steps and the first decode steps after them: what a
     long step wall was spent on (`wait` = blocked on the device)."""
@@ -246,6 +293,9 @@ def main():
     ap.add_argument("--host-stages", action="store_true",
                     help="time the host stages of every step of the timed run (scripts/host_timing.py's timers) "
                          "and print them for the prefill/mixed steps and the first decode steps")
+    ap.add_argument("--clock-trace", action="store_true",
+                    help="sample the GPU's SM clock and power (nvidia-smi) during the timed run; print them for "
+                         "the prefill and decode segments")
     ap.add_argument("--log-compiles", action="store_true",
                     help="print every Triton kernel variant compiled after start-up (with its specialisation)")
     ap.add_argument("--profile", action="store_true",
@@ -295,10 +345,13 @@ def main():
         before = torch.cuda.memory_stats()
         if args.alloc_trace:
             torch.cuda.memory._record_memory_history(max_entries=1_000_000, stacks="python")
+    clocks = ClockTrace() if args.clock_trace else None
     gc_pauses = GcPauses()
-    start = time.perf_counter()
+    start, start_unix = time.perf_counter(), time.time()
     outputs = llm.generate(prompts, params, use_tqdm=False)
     elapsed = time.perf_counter() - start
+    if clocks is not None:
+        clocks.stop()
     gc.callbacks.remove(gc_pauses.callback)
     print(f"garbage collector in the timed run: {len(gc_pauses.times)} collections "
           f"({sum(g == 2 for g in gc_pauses.generations)} full), {1e3 * sum(gc_pauses.times):.1f} ms, "
@@ -371,6 +424,12 @@ def main():
               f"({row['wall_ms_per_step']:.2f} ms/step), ideal {row['ideal_s']:.3f}s ({row['ideal_ms_per_step']:.2f} ms/step)")
     if args.host_stages:
         print_host_stages(steps, step_walls(times, start + elapsed), recorder.stages)
+    if clocks is not None:
+        unix = lambda t: start_unix + (t - start)  # noqa: E731
+        first_decode = next((times[i] for i, (nd, new, _, _) in enumerate(steps) if len(new) == nd), start + elapsed)
+        clocks.report([("whole run", start_unix, unix(start + elapsed)),
+                       ("prefill/mixed", start_unix, unix(first_decode)),
+                       ("decode", unix(first_decode), unix(start + elapsed))])
     print(json.dumps(result))
     if args.json:
         with open(args.json, "w") as f:

@@ -5,7 +5,8 @@
 # any of: eager (enforce_eager=True), nosplitk (A/B of the split-K projections), topp (top-p/top-k),
 # nopdl (programmatic dependent launch off), profile (device busy vs idle over a run, top kernels),
 # host (host time per engine-step stage at a few batch sizes), hostprefill (the same for the benchmark's
-# prefill steps), hoststages (bench.py with the host time per stage of its prefill steps), balanced (the balanced
+# prefill steps), hoststages (bench.py with the host time per stage of its prefill steps), clocks (bench.py with
+# the SM clock and power sampled over the run), balanced (the balanced
 # decode schedule: kernel per batch size, then bench.py with it at every size), gemm (decode projections: cuBLAS vs our
 # GEMM over a tile sweep), sample (the sampling pass at decode batch sizes).
 set -o pipefail
@@ -34,6 +35,7 @@ for stage in $STAGES; do
     host)    run host python3 scripts/host_timing.py ;;
     hostprefill) run hostprefill python3 scripts/host_timing.py --prefill ;;
     hoststages) run hoststages python3 bench.py --host-stages ;;
+    clocks)  run clocks python3 bench.py --clock-trace ;;
     balanced) run balanced-kernel python3 scripts/tune_decode.py --buckets --balanced --configs "64,4,3,1"
               NANOVLLM_BALANCED_DECODE=1 run balanced-bench python3 bench.py ;;
     gemm)    run gemm python3 scripts/bench_decode_gemm.py ;;

@@ -8,20 +8,28 @@ import sys
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def test_bench_runs_and_reports_host_stages(tmp_path):
+def _tiny_config(tmp_path):
     with open(os.path.join(ROOT, "benchmarks/configs/qwen3-0.6b.json")) as f:
         config = json.load(f)
     config.update(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                   num_key_value_heads=2, head_dim=16, vocab_size=10240, bos_token_id=1, eos_token_id=2)
     path = tmp_path / "tiny.json"
     path.write_text(json.dumps(config))
-    out = tmp_path / "result.json"
+    return path
+
+
+def _bench(tmp_path, *args, env=None):
     proc = subprocess.run(
-        [sys.executable, "bench.py", "--config", str(path), "--device", "cpu", "--num-seqs", "5",
-         "--max-input-len", "130", "--max-output-len", "104", "--max-model-len", "512", "--host-stages",
-         "--repeat", "2", "--json", str(out)],
-        cwd=ROOT, capture_output=True, text=True, timeout=300)
+        [sys.executable, "bench.py", "--config", str(_tiny_config(tmp_path)), "--device", "cpu", "--num-seqs", "5",
+         "--max-input-len", "130", "--max-output-len", "104", "--max-model-len", "512", *args],
+        cwd=ROOT, capture_output=True, text=True, timeout=300, env=env)
     assert proc.returncode == 0, proc.stderr[-2000:]
+    return proc
+
+
+def test_bench_runs_and_reports_host_stages(tmp_path):
+    out = tmp_path / "result.json"
+    proc = _bench(tmp_path, "--host-stages", "--repeat", "2", "--json", str(out))
     result = json.loads(out.read_text())
     assert result["prompts"] == 5 and result["output_tokens"] >= 5 * 100 and result["throughput_tok_s"] > 0
     assert result["steps"] > 100 and sum(row["count"] for row in result["breakdown"]) == result["steps"]
@@ -32,3 +40,29 @@ def test_bench_runs_and_reports_host_stages(tmp_path):
     stages = [line for line in lines if line.strip().startswith("step ")]
     assert len(stages) >= 4 and "prompt" in stages[0] and "model forward (eager launch)" in stages[0]
     assert all("wall" in line and "execute (all)" in line for line in stages)
+
+
+FAKE_SMI = """#!{python}
+import datetime, sys, time
+while True:  # what `nvidia-smi --query-gpu=timestamp,clocks.sm,clocks.mem,power.draw,temperature.gpu -lms=10` prints
+    now = datetime.datetime.now().strftime("%Y/%m/%d %H:%M:%S.%f")[:-3]
+    print(f"{{now}}, 1980, 3201, 650.0, 55", flush=True)
+    time.sleep(0.01)
+"""
+
+
+def test_bench_clock_trace(tmp_path):
+    """--clock-trace reads nvidia-smi's samples of the timed run (a stand-in prints them here) and
+    summarises them per segment; without nvidia-smi it says so and the run goes on."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    smi = bin_dir / "nvidia-smi"
+    smi.write_text(FAKE_SMI.format(python=sys.executable))
+    smi.chmod(0o755)
+    env = dict(os.environ, PATH=f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
+    lines = _bench(tmp_path, "--clock-trace", env=env).stdout.splitlines()
+    summary = [line for line in lines if "SM clock" in line]
+    assert any("whole run" in line for line in summary) and any("decode" in line for line in summary)
+    assert all("1980 / 1980 / 1980 MHz" in line and "650 W" in line for line in summary)
+    env["PATH"] = str(tmp_path / "empty")
+    assert "clock trace: no nvidia-smi" in _bench(tmp_path, "--clock-trace", env=env).stdout
