@@ -215,7 +215,7 @@ class ClockTrace:
         self.samples: list[tuple[float, float, float, float, float]] = []  # (unix time, sm MHz, mem MHz, W, C)
         try:
             self._proc = subprocess.Popen(["nvidia-smi", f"--query-gpu={self.FIELDS}", "--format=csv,noheader,nounits",
-                                           f"-lms={period_ms}"], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+                                           f"--loop-ms={period_ms}"], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
                                           text=True)
         except OSError as e:
             print(f"clock trace: no nvidia-smi ({e})")

@@ -44,7 +44,7 @@ def test_bench_runs_and_reports_host_stages(tmp_path):
 
 FAKE_SMI = """#!{python}
 import datetime, sys, time
-while True:  # what `nvidia-smi --query-gpu=timestamp,clocks.sm,clocks.mem,power.draw,temperature.gpu -lms=10` prints
+while True:  # what `nvidia-smi --query-gpu=timestamp,clocks.sm,clocks.mem,power.draw,temperature.gpu --loop-ms=10` prints
     now = datetime.datetime.now().strftime("%Y/%m/%d %H:%M:%S.%f")[:-3]
     print(f"{{now}}, 1980, 3201, 650.0, 55", flush=True)
     time.sleep(0.01)
