@@ -204,7 +204,7 @@ def profile_run(llm, prompts, params, top: int = 25, trace: str | None = None):
 
 
 class ClockTrace:
-    """The GPU's SM clock and power draw sampled by `nvidia-smi -lms` while the timed run goes: does the
+    """The GPU's SM clock and power draw sampled by `nvidia-smi --loop-ms` while the timed run goes: does the
     device slow down (power or thermal limits) during the compute-bound prefill steps?"""
     FIELDS = "timestamp,clocks.sm,clocks.mem,power.draw,temperature.gpu"
 

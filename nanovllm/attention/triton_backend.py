@@ -15,8 +15,8 @@ from nanovllm.kernels.paged_decode_balanced import (alloc_balanced_workspace, ba
 # --balanced, H200, Qwen3-0.6B, us, balanced at 2 programs per SM / split kernel: 8: 15.0 / 16.5,
 # 16: 24.7 / 27.5, 32: 44.3 / 47.1, 48: 57.4 / 56.5, 96: 88.3 / 84.4, 256: 148.8 / 141.7), but inside
 # the engine up to 40 sequences it gained nothing (bench.py, decode 16-63: 2.95, 2.94 vs 3.00, 2.95 ms
-# per step) and cost the single request 22% (789 vs 1,008 tok/s: one wave of 264 programs for one
-# sequence). NANOVLLM_BALANCED_DECODE=1 runs it at every batch size.
+# per step) and cost the single request 22% (789, 772 vs 994, 1,023 tok/s: one wave of 264 programs
+# for one sequence). NANOVLLM_BALANCED_DECODE=1 runs it at every batch size.
 BALANCED_DECODE_MAX_BATCH = 1 << 30 if os.environ.get("NANOVLLM_BALANCED_DECODE", "0") == "1" else 0
 
 

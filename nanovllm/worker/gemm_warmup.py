@@ -1,9 +1,11 @@
 """Start-up warm-up of the library GEMMs that eager steps meet at sizes the run cannot predict.
 
 cuBLAS picks a kernel per problem size, and the first launch of a kernel it has not used before
-costs the host tens of milliseconds (H200: the benchmark's last prefill step, at a token count
-met nowhere before, took 59 ms to launch instead of ~24; the LM head at new sampled-row counts
-stalled two prefill steps 60-75 ms each). An eager step runs every projection at its token count
+costs the host tens of milliseconds. Measured on the H200: the LM head at sampled-row counts met
+nowhere before stalled two of bench.py's prefill steps by 60-73 ms in most first runs, and the
+last prefill step of `scripts/host_timing.py --prefill`'s first round, at a token count met
+nowhere before, took 59 ms to launch against ~24 for its neighbours; with this warm-up neither
+happens. An eager step runs every projection at its token count
 (anything up to max_num_batched_tokens) and the LM head at its sampled-row count (up to
 max_num_seqs): this runs them over ladders of those sizes once, so that the kernels a run can
 choose have all been launched before the first request.
