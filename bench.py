@@ -58,18 +58,19 @@ class ScheduleRecorder:
     def __init__(self, scheduler, stage_totals: dict | None = None):
         self.steps = []
         self.times = []  # perf_counter at each scheduled step: the gaps are step times once the GPU is busy
-        # With stage_totals (host_timing.py's per-stage timers): the host time per stage between one
-        # step's scheduling and the next one's (that step's launch and the previous step's results).
+        # With stage_totals (host_timing.py's per-stage timers, which must wrap the scheduler first): the
+        # host time per stage over each step's wall, i.e. from its scheduling to the next step's (its
+        # launch, the previous step's results, the next step's scheduling).
         self.stages: list[dict] = []
         inner = scheduler.schedule
 
         def schedule():
-            if stage_totals is not None:
-                if self.times:
-                    self.stages.append(dict(stage_totals))
-                stage_totals.clear()
             batch = inner()
             if batch is not None:
+                if stage_totals is not None:
+                    if self.times:
+                        self.stages.append(dict(stage_totals))
+                    stage_totals.clear()
                 self.times.append(time.perf_counter())
                 ctx = [s.num_computed_tokens + n for s, n in zip(batch.seqs, batch.num_new_tokens)]
                 self.steps.append((batch.num_decodes, list(batch.num_new_tokens), ctx,
@@ -257,8 +258,11 @@ def print_host_stages(steps, walls, stages, decode_after: int = 3):
     for i in range(min(last_prefill + 1 + decode_after, len(steps), len(stages))):
         nd, new, _, _ = steps[i]
         kind = f"{sum(new) - sum(new[:nd]):5d} prompt + {nd:3d} decode tokens"
+        # The other timers run inside these three; what they leave of the wall is the caller's loop.
+        outside = walls[i] - sum(stages[i].get(name, 0.0) for name in ("schedule", "execute (all)", "process (incl. wait)"))
         print(f"  step {i:2d} ({kind}): wall {1e3 * walls[i]:6.2f} ms | " + " ".join(
-            f"{name} {1e3 * t:.2f}" for name, t in sorted(stages[i].items(), key=lambda kv: -kv[1])))
+            f"{name} {1e3 * t:.2f}" for name, t in sorted(stages[i].items(), key=lambda kv: -kv[1]))
+            + f" | outside these {1e3 * outside:.2f}")
 
 
 def model_dir(args) -> tuple[str, dict, str]:
