@@ -254,15 +254,14 @@ class ClockTrace:
 def print_host_stages(steps, walls, stages, decode_after: int = 3):
     """Host time per stage of the prefill/mixed steps and the first decode steps after them: what a
     long step wall was spent on (`wait` = blocked on the device)."""
+    from host_timing import TOP_LEVEL, format_stages
     last_prefill = max((i for i, (nd, new, _, _) in enumerate(steps) if len(new) > nd), default=-1)
     for i in range(min(last_prefill + 1 + decode_after, len(steps), len(stages))):
         nd, new, _, _ = steps[i]
         kind = f"{sum(new) - sum(new[:nd]):5d} prompt + {nd:3d} decode tokens"
-        # The other timers run inside these three; what they leave of the wall is the caller's loop.
-        outside = walls[i] - sum(stages[i].get(name, 0.0) for name in ("schedule", "execute (all)", "process (incl. wait)"))
-        print(f"  step {i:2d} ({kind}): wall {1e3 * walls[i]:6.2f} ms | " + " ".join(
-            f"{name} {1e3 * t:.2f}" for name, t in sorted(stages[i].items(), key=lambda kv: -kv[1]))
-            + f" | outside these {1e3 * outside:.2f}")
+        outside = walls[i] - sum(stages[i].get(name, 0.0) for name in TOP_LEVEL)  # the caller's loop
+        print(f"  step {i:2d} ({kind}): wall {1e3 * walls[i]:6.2f} ms | {format_stages(stages[i])}"
+              f" | outside these {1e3 * outside:.2f}")
 
 
 def model_dir(args) -> tuple[str, dict, str]:

@@ -21,6 +21,9 @@ from steady_decode import DEFAULT_CONFIG, end_decode_batch, random_weight_llm, s
 import nanovllm.worker.model_runner as model_runner_mod
 
 TOTALS: dict[str, float] = defaultdict(float)
+# The stages every other timer runs inside: together they are the engine's part of a step's wall.
+SCHEDULE, EXECUTE, PROCESS = "schedule", "execute (all)", "process (incl. wait)"
+TOP_LEVEL = (SCHEDULE, EXECUTE, PROCESS)
 
 
 def timed(name, fn):
@@ -33,14 +36,19 @@ def timed(name, fn):
     return wrapper
 
 
+def format_stages(totals: dict[str, float]) -> str:
+    """The stages' times in ms, longest first."""
+    return " ".join(f"{name} {1e3 * t:.2f}" for name, t in sorted(totals.items(), key=lambda kv: -kv[1]))
+
+
 def instrument(engine):
     runner = engine.model_runner
-    engine.scheduler.schedule = timed("schedule", engine.scheduler.schedule)
-    engine._process = timed("process (incl. wait)", engine._process)
+    engine.scheduler.schedule = timed(SCHEDULE, engine.scheduler.schedule)
+    engine._process = timed(PROCESS, engine._process)
     model_runner_mod.build_host_inputs = timed("build_host_inputs", model_runner_mod.build_host_inputs)
     model_runner_mod.to_device = timed("to_device", model_runner_mod.to_device)
     model_runner_mod.build_sampling_metadata = timed("sampling_metadata", model_runner_mod.build_sampling_metadata)
-    runner.execute = timed("execute (all)", runner.execute)
+    runner.execute = timed(EXECUTE, runner.execute)
     if runner.graph_runner is not None:
         runner.graph_runner.run = timed("graph run (copies + replay)", runner.graph_runner.run)
         torch.cuda.CUDAGraph.replay = timed("graph replay", torch.cuda.CUDAGraph.replay)
@@ -83,7 +91,7 @@ def time_prefill_steps(llm, rounds: int = 2, cprofile: int = 0):
             _, num_prefill, num_decode = llm.engine.step()
             wall = time.perf_counter() - t
             print(f"step {step:2d} ({num_prefill:5d} prefill + {num_decode:3d} decode tokens): {wall * 1e3:6.2f} ms | "
-                  + " ".join(f"{name} {total * 1e3:.2f}" for name, total in sorted(TOTALS.items(), key=lambda kv: -kv[1])))
+                  + format_stages(TOTALS))
             step += 1
         if profiler is not None:
             import pstats

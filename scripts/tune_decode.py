@@ -28,8 +28,7 @@ from nanovllm.kernels.paged_decode import (_decode_config, alloc_decode_workspac
 from nanovllm.kernels.paged_decode_balanced import (alloc_balanced_workspace, balanced_num_programs,  # noqa: E402
                                                     paged_decode_attention_balanced)
 
-BALANCED = False  # --balanced
-BALANCED_WS = None
+BALANCED_WS = None  # with --balanced: the balanced kernel's workspace
 
 HQ, HKV, D, PAGE = 16, 8, 128, 256  # Qwen3-0.6B's attention, the default block size
 
@@ -69,7 +68,7 @@ def buckets_one(bw, k_cache, v_cache, ws, num_blocks, config):
         kv_bytes = sum(lens) * HKV * D * 2 * 2
         engine = choose_num_splits(batch, HQ, HKV, D, q.device, 4096)
         line = f"B={batch:3d} ctx~{sum(lens) // batch:4d} KV {kv_bytes / 1e6:6.1f} MB:"
-        if BALANCED:
+        if BALANCED_WS is not None:
             expect = paged_decode_attention(q, k_cache, v_cache, tables, seq_lens, D ** -0.5, workspace=ws, order=order)
             for per_sm in (1, 2, 3):
                 programs = balanced_num_programs(q.device, per_sm)
@@ -108,10 +107,10 @@ def main():
                     help="K/V cache memory in [block, head, token, dim] order (one head's tile contiguous), shown "
                          "to the kernels as the usual [block, token, head, dim] strided view")
     args = ap.parse_args()
-    global BALANCED, BALANCED_WS
+    global BALANCED_WS
     if args.balanced:
         programs = balanced_num_programs(torch.device("cuda"), 3)  # the most the sweep uses
-        BALANCED, BALANCED_WS = True, alloc_balanced_workspace(programs, HQ, HKV, D, torch.device("cuda"))
+        BALANCED_WS = alloc_balanced_workspace(programs, HQ, HKV, D, torch.device("cuda"))
     torch.manual_seed(0)
     random.seed(0)
     bw = measure_device(torch.device("cuda"))[0]

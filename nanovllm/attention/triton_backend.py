@@ -27,7 +27,8 @@ class TritonAttentionBackend(AttentionBackend):
 
     def __init__(self):
         self.workspace = None
-        self.balanced = None  # (programs, workspace, most sequences it runs for)
+        self.balanced = None  # (programs, workspace) when the balanced schedule may run
+        self.balanced_max_batch = 0  # decode batches up to this size take it
 
     def setup(self, max_num_seqs, num_q_heads, num_kv_heads, head_dim, max_model_len, device):
         # Split partials for the worst batch size (B x splits(B) peaks at some B), allocated once
@@ -37,16 +38,16 @@ class TritonAttentionBackend(AttentionBackend):
         self.workspace = alloc_decode_workspace(rows, num_q_heads, head_dim, 1, device)
         if BALANCED_DECODE_MAX_BATCH > 0:
             programs = balanced_num_programs(device)
-            self.balanced = (programs, alloc_balanced_workspace(programs, num_q_heads, num_kv_heads, head_dim, device),
-                             BALANCED_DECODE_MAX_BATCH)
+            self.balanced = (programs, alloc_balanced_workspace(programs, num_q_heads, num_kv_heads, head_dim, device))
+            self.balanced_max_batch = BALANCED_DECODE_MAX_BATCH
 
     def store_kv(self, k, v, k_cache, v_cache, slot_mapping):
         store_kv_cache(k, v, k_cache, v_cache, slot_mapping)
 
     def decode(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float, out):
         nd = meta.num_decodes
-        if self.balanced is not None and nd <= self.balanced[2]:
-            programs, workspace, _ = self.balanced
+        if self.balanced is not None and nd <= self.balanced_max_batch:
+            programs, workspace = self.balanced
             paged_decode_attention_balanced(q, k_cache, v_cache, meta.block_tables[:nd], meta.seq_lens[:nd], scale,
                                             out=out, num_programs=programs, workspace=workspace)
             return
