@@ -8,7 +8,9 @@ Chains timed (CUDA graph, median):
   qkv:     add+RMSNorm -> qkv_proj                      vs  add+RMSNorm -> dense_linear
   gate_up: add+RMSNorm -> gate_up_proj -> SiLU-and-mul  vs  add+RMSNorm -> gated_linear
   o/down:  SiLU-and-mul -> proj -> add+RMSNorm          vs  SiLU-and-mul -> partial_linear -> add+RMSNorm
-The predecessor alone is timed too and subtracted in the "net" column.
+The predecessor alone is timed too and subtracted in the "net" column. One weight tensor serves every
+call, so at these sizes it stays in L2: for pipeline depths, where HBM latency matters, use
+scripts/sweep_gemm_stages.py (weights rotating over copies).
 """
 import argparse
 import itertools

@@ -1,10 +1,17 @@
 """Where a decode step's time goes on the GPU: wall time per step and the top kernels.
 
     python scripts/profile_step.py [--batch 256] [--config benchmarks/configs/qwen3-0.6b.json] [--trace DIR]
+    python scripts/profile_step.py --prefill   (bench.py's prefill and mixed steps, each profiled alone)
+
+With --prefill the benchmark's requests (its prompts and max_tokens, on other prompt tokens after a
+warm-up round, so nothing hits the prefix cache) run step by step with a device synchronisation after
+each, so every step's kernels are its own: device time per step and its top kernels. Run it with
+NANOVLLM_PDL=0, or an early-launched kernel's wait counts as its own time.
 """
 import argparse
 import os
 import random
+import sys
 import time
 
 import torch
@@ -14,8 +21,49 @@ from torch.profiler import ProfilerActivity, profile
 from steady_decode import DEFAULT_CONFIG, end_decode_batch, random_weight_llm, start_decode_batch
 
 
+def kernel_totals(prof) -> list[tuple[str, float, int]]:
+    """(kernel name, device time in ms, calls), longest first."""
+    rows = [(e.key, e.self_device_time_total / 1e3, e.count) for e in prof.key_averages()
+            if e.device_type == DeviceType.CUDA and e.self_device_time_total > 0]
+    return sorted(rows, key=lambda r: -r[1])
+
+
+def profile_prefill_steps(llm, top: int):
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+    from bench import workload
+    from nanovllm import SamplingParams
+    prompts, max_tokens = workload(256, 1024, 1024)
+    engine = llm.engine
+    for r in range(2):  # the first round warms up
+        for i, (p, n) in enumerate(zip(prompts, max_tokens)):
+            engine.add_request(f"{r}-{i}", [(t + r + 1) % 10000 for t in p],
+                               SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=n))
+        step = 0
+        while engine.scheduler.waiting or any(s.num_computed_tokens < s.num_prompt_tokens
+                                              for s in engine.scheduler.running):
+            torch.cuda.synchronize()
+            with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                t = time.perf_counter()
+                _, num_prefill, num_decode = engine.step()
+                torch.cuda.synchronize()
+                wall = time.perf_counter() - t
+            if r == 1:
+                rows = kernel_totals(prof)
+                busy = sum(ms for _, ms, _ in rows)
+                print(f"step {step} ({num_prefill} prompt + {num_decode} decode tokens): wall {wall * 1e3:.2f} ms "
+                      f"(synchronised), device busy {busy:.2f} ms")
+                for name, ms, calls in rows[:top]:
+                    print(f"   {ms:7.3f} ms {calls:5d}x  {name[:110]}")
+            step += 1
+        for i in range(len(prompts)):
+            engine.abort_request(f"{r}-{i}")
+        engine.drain()
+
+
 def main():
     ap = argparse.ArgumentParser()
+    ap.add_argument("--prefill", action="store_true", help="profile bench.py's prefill and mixed steps, one by one")
+    ap.add_argument("--top", type=int, default=12, help="with --prefill: kernels listed per step")
     ap.add_argument("--batch", type=int, nargs="+", default=[256, 128, 32, 8, 1])
     ap.add_argument("--config", default=DEFAULT_CONFIG)
     ap.add_argument("--steps", type=int, default=30)
@@ -24,6 +72,10 @@ def main():
                                     "(scripts/trace_gaps.py reads them)")
     args = ap.parse_args()
     llm = random_weight_llm(args.config)
+    if args.prefill:
+        profile_prefill_steps(llm, args.top)
+        llm.shutdown()
+        return
     engine = llm.engine
     rng = random.Random(0)
     for batch in args.batch:
