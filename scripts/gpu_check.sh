@@ -8,7 +8,8 @@
 # prefill steps), hoststages (bench.py with the host time per stage of its prefill steps), clocks (bench.py with
 # the SM clock and power sampled over the run), balanced (the balanced
 # decode schedule: kernel per batch size, then bench.py with it at every size), gemm (decode projections: cuBLAS vs our
-# GEMM over a tile sweep), sample (the sampling pass at decode batch sizes).
+# GEMM over a tile sweep), gemmstages (the same with the weights in HBM: the tables' pipeline depths and tiles),
+# prefillprofile (device time and top kernels of each of the benchmark's prefill steps), sample (the sampling pass at decode batch sizes).
 set -o pipefail
 OUTDIR=${1:-${OUT:-/tmp/nanovllm-gpu}}
 mkdir -p "$OUTDIR"
@@ -39,6 +40,8 @@ for stage in $STAGES; do
     balanced) run balanced-kernel python3 scripts/tune_decode.py --buckets --balanced --configs "64,4,3,1"
               NANOVLLM_BALANCED_DECODE=1 run balanced-bench python3 bench.py ;;
     gemm)    run gemm python3 scripts/bench_decode_gemm.py ;;
+    gemmstages) run gemmstages python3 scripts/sweep_gemm_stages.py ;;
+    prefillprofile) NANOVLLM_PDL=0 run prefillprofile python3 scripts/profile_step.py --prefill ;;
     sample)  run sample python3 scripts/bench_sample.py ;;
     single)  run single python3 bench.py --single --json "$OUTDIR/bench_single.json" ;;
     bench8b) run bench8b python3 bench.py --config benchmarks/configs/qwen3-8b.json --json "$OUTDIR/bench_qwen3_8b.json" ;;
