@@ -1,11 +1,12 @@
-"""Pipeline depth of the decode projections with the weights in HBM, as in a model.
+"""Pipeline depths and tiles of the decode projections with the weights in HBM, as in a model.
 
-The engine's tile tables (kernels/gemm.py, kernels/qkv_rope.py) were tuned with
+The engine's tile tables (kernels/gemm.py, kernels/qkv_rope.py) were first tuned with
 scripts/bench_decode_gemm.py, which reuses one weight tensor: at Qwen3-0.6B's sizes (4-13 MB) it
-stays in L2, so the tuning never saw HBM latency. Here the weights rotate over COPIES copies (a
-projection's copies exceed L2), and each table entry is timed at other depths (num_stages), tile
-depths (BK) and, for split-K, twice the slices. Each call runs behind the kernel that precedes it
-in a layer (programmatic dependent launch), whose own time is subtracted ("net").
+stays in L2, so that tuning never saw HBM latency (this sweep re-tuned them: BENCHMARKS.md, tenth
+session). Here the weights rotate over COPIES copies (a projection's copies exceed L2), and each table
+entry is timed at other depths (num_stages) and tile depths (BK); split-K also at other widths and
+twice the slices, gate_up and qkv at other row (and column) tiles. Each call runs behind the kernel
+that precedes it in a layer (programmatic dependent launch), whose own time is subtracted ("net").
 
     python scripts/sweep_gemm_stages.py [--m 1,16,32,64,128,192,256] [--only o,down,gate_up,qkv] [--jobs 14]
 
@@ -27,7 +28,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 from nanovllm.kernels.fused_ops import fused_add_rms_norm, silu_and_mul  # noqa: E402
 from nanovllm.kernels.gemm import (GemmConfig, dense_config, gated_linear, partial_linear,  # noqa: E402
                                    splitk_config)
-from nanovllm.kernels.qkv_rope import QkvRopeConfig, qkv_rope_config, qkv_rope_store_kv  # noqa: E402
+from nanovllm.kernels.qkv_rope import qkv_rope_config, qkv_rope_store_kv  # noqa: E402
 
 HIDDEN, INTER, HQ, HKV, D = 1024, 3072, 16, 8, 128
 SHAPES = {"qkv": ((HQ + 2 * HKV) * D, HIDDEN), "gate_up": (2 * INTER, HIDDEN), "o": (HIDDEN, HQ * D),
