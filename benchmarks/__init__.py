@@ -1,0 +1,1 @@
+"""bench.py's configurations (configs/) and diagnostics."""
