@@ -161,9 +161,9 @@ def partial_linear(x: torch.Tensor, weight: torch.Tensor, config: GemmConfig) ->
 def splitk_config(m: int, n: int, k: int) -> GemmConfig | None:
     """The split-K configuration for an [m, k] x [k, n] product, or None when split-K does not pay
     (m past _MAX_SPLITK_M, n past _MAX_SPLITK_N, or a k that does not divide into slices). A fixed
-    table (from scripts/bench_decode_gemm.py on the H200, o_proj/down_proj of Qwen3-0.6B behind the
-    kernels that precede them, where 4 slices of BK=128 won at every batch size up to 256); host-only, so
-    CUDA-graph capture never benchmarks."""
+    table (from scripts/bench_decode_gemm.py and scripts/sweep_gemm_stages.py on the H200, o_proj/down_proj
+    of Qwen3-0.6B behind the kernels that precede them, where 4 slices of BK=128 won at every batch size
+    up to 256); host-only, so CUDA-graph capture never benchmarks."""
     if m > _MAX_SPLITK_M or m == 0 or n > _MAX_SPLITK_N:
         return None
     splits, bk = 4, 128
