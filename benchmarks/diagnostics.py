@@ -55,6 +55,15 @@ def print_segment_allocs(snapshot, frames: int = 4):
                 print(f"segment_alloc {event['size'] / 2**20:8.1f} MiB at " + " <- ".join(where))
 
 
+def device_rows(prof) -> list[tuple[str, int, float]]:
+    """(name, calls, device microseconds) of everything a torch profiler saw run on the device
+    (kernels, copies, memsets), longest first."""
+    from torch.autograd import DeviceType
+    rows = [(e.key, e.count, e.self_device_time_total) for e in prof.key_averages()
+            if e.device_type == DeviceType.CUDA and e.self_device_time_total > 0]
+    return sorted(rows, key=lambda r: -r[2])
+
+
 def profile_run(llm, prompts, params, top: int = 25, trace: str | None = None):
     """One generate under the CUDA profiler: how much of the wall time the device spends in kernels
     (the rest is the host not keeping up) and which kernels take it; `trace`: a chrome trace file
@@ -68,12 +77,10 @@ def profile_run(llm, prompts, params, top: int = 25, trace: str | None = None):
         wall = time.perf_counter() - start
     if trace:
         prof.export_chrome_trace(trace)
-    from torch.autograd import DeviceType
-    rows = [(e.key, e.count, e.self_device_time_total) for e in prof.key_averages()
-            if e.device_type == DeviceType.CUDA and e.self_device_time_total > 0]  # kernels, copies, memsets
+    rows = device_rows(prof)
     busy = sum(r[2] for r in rows) / 1e6
     print(f"profile: wall {wall:.3f}s (under the profiler), device busy {busy:.3f}s, idle {wall - busy:.3f}s")
-    for name, count, us in sorted(rows, key=lambda r: -r[2])[:top]:
+    for name, count, us in rows[:top]:
         print(f"  {us / 1e6:8.3f}s {100 * us / 1e6 / wall:5.1f}% {count:8d}x {us / count:9.1f}us  {name[:90]}")
 
 

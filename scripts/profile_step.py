@@ -21,16 +21,10 @@ from torch.profiler import ProfilerActivity, profile
 from steady_decode import DEFAULT_CONFIG, end_decode_batch, random_weight_llm, start_decode_batch
 
 
-def kernel_totals(prof) -> list[tuple[str, float, int]]:
-    """(kernel name, device time in ms, calls), longest first."""
-    rows = [(e.key, e.self_device_time_total / 1e3, e.count) for e in prof.key_averages()
-            if e.device_type == DeviceType.CUDA and e.self_device_time_total > 0]
-    return sorted(rows, key=lambda r: -r[1])
-
-
 def profile_prefill_steps(llm, top: int):
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
     from bench import workload
+    from benchmarks.diagnostics import device_rows
     from nanovllm import SamplingParams
     prompts, max_tokens = workload(256, 1024, 1024)
     engine = llm.engine
@@ -48,12 +42,12 @@ def profile_prefill_steps(llm, top: int):
                 torch.cuda.synchronize()
                 wall = time.perf_counter() - t
             if r == 1:
-                rows = kernel_totals(prof)
-                busy = sum(ms for _, ms, _ in rows)
+                rows = device_rows(prof)
+                busy = sum(us for _, _, us in rows) / 1e3
                 print(f"step {step} ({num_prefill} prompt + {num_decode} decode tokens): wall {wall * 1e3:.2f} ms "
                       f"(synchronised), device busy {busy:.2f} ms")
-                for name, ms, calls in rows[:top]:
-                    print(f"   {ms:7.3f} ms {calls:5d}x  {name[:110]}")
+                for name, calls, us in rows[:top]:
+                    print(f"   {us / 1e3:7.3f} ms {calls:5d}x  {name[:110]}")
             step += 1
         for i in range(len(prompts)):
             engine.abort_request(f"{r}-{i}")
