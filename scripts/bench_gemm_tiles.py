@@ -84,9 +84,9 @@ def make_tma(x, ws, out, cfg):
     return run
 
 
-def per_call_us(fn):
+def per_call_us(fn, copies: int = COPIES):
     """fn(i) for each weight copy i, captured in one graph; microseconds per call."""
-    return triton.testing.do_bench_cudagraph(lambda: [fn(i) for i in range(COPIES)], rep=20) * 1e3 / COPIES
+    return triton.testing.do_bench_cudagraph(lambda: [fn(i) for i in range(copies)], rep=20) * 1e3 / copies
 
 
 def main():

@@ -22,18 +22,17 @@ import sys
 
 import torch
 import torch.nn.functional as F
-import triton.testing
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 from nanovllm.kernels.fused_ops import fused_add_rms_norm, silu_and_mul  # noqa: E402
 from nanovllm.kernels.gemm import (GemmConfig, dense_config, gated_linear, partial_linear,  # noqa: E402
                                    splitk_config)
 from nanovllm.kernels.qkv_rope import qkv_rope_config, qkv_rope_store_kv  # noqa: E402
+from bench_gemm_tiles import COPIES, per_call_us  # noqa: E402  (scripts/ is sys.path[0])
 
 HIDDEN, INTER, HQ, HKV, D = 1024, 3072, 16, 8, 128
 SHAPES = {"qkv": ((HQ + 2 * HKV) * D, HIDDEN), "gate_up": (2 * INTER, HIDDEN), "o": (HIDDEN, HQ * D),
           "down": (HIDDEN, INTER)}
-COPIES = 8
 STAGES = (3, 4, 6, 8)
 
 
@@ -114,11 +113,6 @@ class Case:
         a = self.x_o if self.name == "o" else x
         y = F.linear(a, w) if cfg is None else partial_linear(a, w, cfg)
         return fused_add_rms_norm(y, self.res, self.nw)
-
-
-def per_call_us(fn, copies: int) -> float:
-    """fn(i) over every weight copy, captured in one graph; microseconds per call."""
-    return triton.testing.do_bench_cudagraph(lambda: [fn(i) for i in range(copies)], rep=20) * 1e3 / copies
 
 
 def _compile(job):

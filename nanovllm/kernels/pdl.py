@@ -10,7 +10,8 @@ step's inputs copied from the host) may be read before the wait: a kernel launch
 only once its predecessor is running past its own wait (or, not launched this way, running at
 all), so every older kernel and copy has completed (decode attention reads its block ids and
 RMSNorm its weight that way; tests/kernels/test_pdl_order.py holds every kernel to its list).
-Launch sites pass `**PDL_LAUNCH`. CUDA graphs keep these edges. Off under the Triton interpreter, on older GPUs, or with NANOVLLM_PDL=0.
+Launch sites pass `**PDL_LAUNCH`. CUDA graphs keep these edges. Off under the Triton interpreter,
+on older GPUs, or with NANOVLLM_PDL=0.
 """
 import os
 
