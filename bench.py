@@ -231,7 +231,8 @@ def main():
     gc.callbacks.remove(gc_pauses.callback)
     print(f"garbage collector in the timed run: {len(gc_pauses.times)} collections "
           f"({sum(g == 2 for g in gc_pauses.generations)} full), {1e3 * sum(gc_pauses.times):.1f} ms, "
-          f"longest {1e3 * max(gc_pauses.times, default=0):.1f} ms")
+          f"longest {1e3 * max(gc_pauses.times, default=0):.1f} ms (generation@ms into the run:ms "
+          f"{gc_pauses.timeline(start)})")
     if args.alloc_trace and device.type == "cuda":
         print_segment_allocs(torch.cuda.memory._snapshot())
         torch.cuda.memory._record_memory_history(enabled=None)

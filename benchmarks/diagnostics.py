@@ -34,7 +34,7 @@ class GcPauses:
     """The cyclic garbage collector's pauses from now on (gc.callbacks), by generation."""
 
     def __init__(self):
-        self.times, self.generations, self._start = [], [], 0.0
+        self.times, self.generations, self.starts, self._start = [], [], [], 0.0
         gc.callbacks.append(self.callback)
 
     def callback(self, phase, info):
@@ -43,6 +43,12 @@ class GcPauses:
         else:
             self.times.append(time.perf_counter() - self._start)
             self.generations.append(info["generation"])
+            self.starts.append(self._start)
+
+    def timeline(self, origin: float) -> str:
+        """Each pause as generation@start:duration, in ms from `origin`."""
+        return " ".join(f"{g}@{1e3 * (s - origin):.0f}:{1e3 * t:.1f}"
+                        for g, s, t in zip(self.generations, self.starts, self.times))
 
 
 def print_segment_allocs(snapshot, frames: int = 4):

@@ -8,8 +8,11 @@ random-weight Qwen3-0.6B, CUDA graphs of one step's forward + LM head captured a
              priority, everything else at the highest, so a half's GEMMs and short kernels take SMs
              ahead of the other half's pending attention programs
   offset+pri as halves+pri, the second half starting after the first half's first layer
+  *-balP     the same with decode attention on the balanced kernel (kernels/paged_decode_balanced.py)
+             at P persistent programs (one wave): with P at or below the SM count a program holds
+             one SM's attention and leaves room beside it for the other half's GEMMs
 
-    python scripts/bench_nanobatch.py [--batch 256 192 128] [--reps 30]   (GPU)
+    python scripts/bench_nanobatch.py [--batch 256 192 128] [--reps 30] [--balanced 100,132,264]   (GPU)
 """
 import argparse
 import ctypes
@@ -18,7 +21,8 @@ import random
 
 import torch
 
-from steady_decode import end_decode_batch, random_weight_llm, start_decode_batch
+from steady_decode import end_decode_batch, random_weight_llm, start_decode_batch  # (puts the repo on sys.path)
+from nanovllm.kernels.paged_decode_balanced import alloc_balanced_workspace
 from nanovllm.attention.base import AttentionMetadata
 
 _cu = ctypes.CDLL("libcuda.so.1")
@@ -84,6 +88,7 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--batch", type=int, nargs="+", default=[256, 192, 128])
     ap.add_argument("--reps", type=int, default=30)
+    ap.add_argument("--balanced", default="", help="comma-separated program counts P: also the *-balP variants")
     args = ap.parse_args()
     llm = random_weight_llm()
     engine = llm.engine
@@ -105,6 +110,19 @@ def main():
         qsl = gr.query_start_loc
         ws_main = backend.workspace
         ws_side = tuple(torch.empty_like(t) for t in ws_main)
+        attn = model.model.layers[0].self_attn
+        hq, hkv, head_dim = attn.num_heads, attn.num_kv_heads, attn.head_dim
+        bal_ws = {p: (alloc_balanced_workspace(p, hq, hkv, head_dim, tables.device),
+                      alloc_balanced_workspace(p, hq, hkv, head_dim, tables.device))
+                  for p in (int(v) for v in args.balanced.split(",") if v)}
+        plain = (backend.balanced, backend.balanced_max_batch)
+
+        def use_balanced(p, side_stream=False):
+            if p is None:
+                backend.balanced, backend.balanced_max_batch = plain
+            else:
+                backend.balanced = (p, bal_ws[p][1 if side_stream else 0])
+                backend.balanced_max_batch = 1 << 30
 
         def meta(lo, hi):
             n = hi - lo
@@ -123,19 +141,24 @@ def main():
                 x, residual = layer(pos[lo:hi], x, residual, m)
             return x, residual
 
-        def single():
+        def single(bal=None):
+            use_balanced(bal)
             hidden = model(ids, pos, m_all)
             model.compute_logits(hidden, out=logits[:bs])
+            use_balanced(None)
 
-        def halves(offset_layers=0):
+        def halves(offset_layers=0, bal=None):
+            use_balanced(bal)
             main = torch.cuda.current_stream()
             xa, ra = layers(0, h, m_a, last=offset_layers or None) if offset_layers else (None, None)
             side.wait_stream(main)
             with torch.cuda.stream(side):
                 backend.workspace = ws_side
+                use_balanced(bal, side_stream=True)
                 xb, rb = layers(h, bs, m_b)
                 xb, _ = model.model.norm(xb, rb)
                 backend.workspace = ws_main
+                use_balanced(bal)
             if offset_layers:
                 xa, ra = layers(0, h, m_a, xa, ra, first=offset_layers)
             else:
@@ -143,19 +166,25 @@ def main():
             xa, _ = model.model.norm(xa, ra)
             main.wait_stream(side)
             model.compute_logits(torch.cat([xa, xb]), out=logits[:bs])
+            use_balanced(None)
 
         variants = {}
+        plans = [("single", single, False), ("halves", halves, False), ("halves+pri", halves, True),
+                 ("offset+pri", lambda: halves(1), True), ("single+pri", single, True)]
+        for p in bal_ws:
+            plans += [(f"single-bal{p}", lambda p=p: single(bal=p), False),
+                      (f"halves-bal{p}", lambda p=p: halves(bal=p), False),
+                      (f"halves+pri-bal{p}", lambda p=p: halves(bal=p), True)]
         with torch.inference_mode():
-            for name, fn, prio in (("single", single, False), ("halves", halves, False),
-                                   ("halves+pri", halves, True), ("offset+pri", lambda: halves(1), True),
-                                   ("single+pri", single, True)):
+            for name, fn, prio in plans:
                 fn()
                 torch.cuda.synchronize()
                 g = torch.cuda.CUDAGraph(keep_graph=True)
                 with torch.cuda.graph(g, gr.pool):
                     fn()
                 if prio:
-                    seen = set_priorities(g.raw_cuda_graph(), ("_decode_split", "_decode_merge"))
+                    seen = set_priorities(g.raw_cuda_graph(), ("_decode_split", "_decode_merge", "_balanced_decode",
+                                                                              "_merge_kernel"))
                     if name == "halves+pri":
                         print("kernel nodes:", seen)
                 variants[name] = (g, Exec(g.raw_cuda_graph(), _NODE_PRIORITY_FLAG if prio else 0))

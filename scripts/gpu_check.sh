@@ -9,7 +9,9 @@
 # the SM clock and power sampled over the run), balanced (the balanced
 # decode schedule: kernel per batch size, then bench.py with it at every size), gemm (decode projections: cuBLAS vs our
 # GEMM over a tile sweep), gemmstages (the same with the weights in HBM: the tables' pipeline depths and tiles),
-# prefillprofile (device time and top kernels of each of the benchmark's prefill steps), sample (the sampling pass at decode batch sizes).
+# prefillprofile (device time and top kernels of each of the benchmark's prefill steps), sample (the sampling pass at decode batch sizes),
+# splits (decode attention at every split count, 4-80 sequences), nanobatch (two half-batches on two streams, also with
+# the balanced attention at 100/132/264 programs), replay (engine step against its CUDA graphs replayed back to back).
 set -o pipefail
 OUTDIR=${1:-${OUT:-/tmp/nanovllm-gpu}}
 mkdir -p "$OUTDIR"
@@ -43,6 +45,9 @@ for stage in $STAGES; do
     gemmstages) run gemmstages python3 scripts/sweep_gemm_stages.py ;;
     prefillprofile) NANOVLLM_PDL=0 run prefillprofile python3 scripts/profile_step.py --prefill ;;
     sample)  run sample python3 scripts/bench_sample.py ;;
+    splits)  run splits python3 scripts/tune_decode.py --splits 4,8,12,16,20,24,28,32,40,48,56,64,80 ;;
+    nanobatch) run nanobatch python3 scripts/bench_nanobatch.py --batch 256 128 --balanced 100,132,264 ;;
+    replay)  run replay python3 scripts/profile_step.py --batch 256 128 64 32 8 1 --replay ;;
     single)  run single python3 bench.py --single --json "$OUTDIR/bench_single.json" ;;
     bench8b) run bench8b python3 bench.py --config benchmarks/configs/qwen3-8b.json --json "$OUTDIR/bench_qwen3_8b.json" ;;
     *) echo "unknown stage $stage"; status=1 ;;

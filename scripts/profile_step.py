@@ -1,6 +1,6 @@
 """Where a decode step's time goes on the GPU: wall time per step and the top kernels.
 
-    python scripts/profile_step.py [--batch 256] [--config benchmarks/configs/qwen3-0.6b.json] [--trace DIR]
+    python scripts/profile_step.py [--batch 256] [--config benchmarks/configs/qwen3-0.6b.json] [--trace DIR] [--replay]
     python scripts/profile_step.py --prefill   (bench.py's prefill and mixed steps, each profiled alone)
 
 With --prefill the benchmark's requests (its prompts and max_tokens, on other prompt tokens after a
@@ -62,6 +62,7 @@ def main():
     ap.add_argument("--config", default=DEFAULT_CONFIG)
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--temperature", type=float, default=0.6)
+    ap.add_argument("--replay", action="store_true", help="also the step's CUDA graphs replayed back to back")
     ap.add_argument("--trace", help="directory for a chrome trace of the profiled steps per batch size "
                                     "(scripts/trace_gaps.py reads them)")
     args = ap.parse_args()
@@ -82,6 +83,20 @@ def main():
             engine.step()
         torch.cuda.synchronize()
         per_step = (time.perf_counter() - t) / args.steps
+        if args.replay:  # the step's CUDA graphs alone, back to back on the device: the rest is between graphs
+            g = engine.model_runner.graph_runner
+            bs = g.padded_size(batch)
+            for name, fns in (("forward graph", [g.forward_graphs[bs].replay]),
+                              ("forward + sampling graphs", [g.forward_graphs[bs].replay, g.sample_graphs[bs].replay])):
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                for _ in range(args.steps):
+                    for fn in fns:
+                        fn()
+                end.record()
+                end.synchronize()
+                print(f"batch {batch}: {name} replayed back to back {start.elapsed_time(end) / args.steps:.3f} ms "
+                      f"(engine step {per_step * 1e3:.3f} ms)")
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
             for _ in range(10):
                 engine.step()

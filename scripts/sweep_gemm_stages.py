@@ -60,6 +60,10 @@ def variants(name: str, m: int):
     if name == "gate_up":
         out += [base._replace(bm=bm, bn=bn, num_stages=stages) for bm in (16, 32, 64) for bn in (32, 64)
                 for stages in (3, 4) if bm <= max(16, m)]
+        if m > 128:  # where cuBLAS + SiLU-and-mul runs today: wider tiles, two warpgroups
+            out += [GemmConfig(1, bm, bn, bk, warps, stages) for bm in (64, 128) for bn in (64, 128)
+                    for bk, stages in ((64, 3), (64, 4), (128, 2), (128, 3)) for warps in (4, 8)
+                    if not (bm == 128 and bn == 128 and warps == 4)]
     if name == "qkv":
         out += [base._replace(bm=bm, num_stages=stages) for bm in (16, 32, 64) for stages in (3, 4) if bm <= max(16, m)]
     for bk in (64, 128):

@@ -89,6 +89,9 @@ def test_bad_sampling_params(make_params, match):
     ([[1, 2], list(range(3, 259))], None, ValueError, "256 tokens but max_model_len is 256"),
     ([[1, 2], [3, 512]], None, ValueError, r"token id 512 is outside the vocabulary \[0, 512\)"),
     ([[1, 2], [3, -1]], None, ValueError, "token id -1"),
+    ([[1, 2], [3, 600, -1]], None, ValueError, "token id 600 "),  # the first offender is named
+    ([[1, 2], [3, True]], None, ValueError, "token id True"),  # not a plain int: the slow check names it
+    ([[1, 2], [3, 4.0]], None, ValueError, r"token id 4\.0"),
     ([[1, 2], [3, 4]], [SamplingParams()], ValueError, "got 1 sampling_params for 2 prompts"),
     ([[1, 2], 7], None, TypeError, "a prompt must be a string or a list of token ids"),
 ])

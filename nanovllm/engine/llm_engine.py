@@ -70,8 +70,12 @@ class LLMEngine:
             token_ids = self.tokenizer.encode(prompt)
         elif isinstance(prompt, (list, tuple)):
             token_ids = list(prompt)
-            bad = next((t for t in token_ids if isinstance(t, bool) or not isinstance(t, int)
-                        or not 0 <= t < self.vocab_size), None)
+            if set(map(type, token_ids)) == {int}:  # the usual case, checked in C: a range test suffices
+                bad = None if min(token_ids) >= 0 and max(token_ids) < self.vocab_size else next(
+                    t for t in token_ids if not 0 <= t < self.vocab_size)
+            else:  # bools, floats, numpy scalars...: name the first offender
+                bad = next((t for t in token_ids if isinstance(t, bool) or not isinstance(t, int)
+                            or not 0 <= t < self.vocab_size), None)
             if bad is not None:
                 raise ValueError(f"prompt token id {bad!r} is outside the vocabulary [0, {self.vocab_size})")
         else:
