@@ -67,11 +67,17 @@ def buckets(bw, k_cache, v_cache, ws, num_blocks, configs):
         buckets_one(bw, k_cache, v_cache, ws, num_blocks, (block_g, *cfg))
 
 
+def late_lens(batch: int) -> list[int]:
+    """Context lengths of a decode batch of this size in the benchmark's run: the fewer sequences are
+    left, the further the run has gone (prompt U(100, 1024) plus that share of U(100, 1024) outputs)."""
+    late = 1.0 - batch / 256
+    return [random.randint(100, 1024) + int(random.randint(100, 1024) * late) for _ in range(batch)]
+
+
 def buckets_one(bw, k_cache, v_cache, ws, num_blocks, config):
     random.seed(1)
     for batch in (8, 16, 32, 48, 64, 96, 128, 192, 256):
-        late = 1.0 - batch / 256  # the fewer sequences are left, the further the run has gone
-        lens = [random.randint(100, 1024) + int(random.randint(100, 1024) * late) for _ in range(batch)]
+        lens = late_lens(batch)
         q, tables, seq_lens, order = make_batch(lens, num_blocks)
         kv_bytes = sum(lens) * HKV * D * 2 * 2
         engine = choose_num_splits(batch, HQ, HKV, D, q.device, 4096)
@@ -121,8 +127,7 @@ def split_sweep(bw, k_cache, v_cache, ws, num_blocks, batches):
     `choose_num_splits`."""
     random.seed(1)
     for batch in batches:
-        late = 1.0 - batch / 256
-        lens = [random.randint(100, 1024) + int(random.randint(100, 1024) * late) for _ in range(batch)]
+        lens = late_lens(batch)
         q, tables, seq_lens, order = make_batch(lens, num_blocks)
         kv_bytes = sum(lens) * HKV * D * 2 * 2
         engine = choose_num_splits(batch, HQ, HKV, D, q.device, 4096)
