@@ -11,7 +11,8 @@
 # GEMM over a tile sweep), gemmstages (the same with the weights in HBM: the tables' pipeline depths and tiles),
 # prefillprofile (device time and top kernels of each of the benchmark's prefill steps), sample (the sampling pass at decode batch sizes),
 # splits (decode attention at every split count, 4-80 sequences), nanobatch (two half-batches on two streams, also with
-# the balanced attention at 100/132/264 programs), replay (engine step against its CUDA graphs replayed back to back).
+# the balanced attention at 100/132/264 programs), replay (engine step against its CUDA graphs replayed back to back),
+# barrier (dependent projections as kernels vs one persistent kernel with grid barriers).
 set -o pipefail
 OUTDIR=${1:-${OUT:-/tmp/nanovllm-gpu}}
 mkdir -p "$OUTDIR"
@@ -48,6 +49,8 @@ for stage in $STAGES; do
     splits)  run splits python3 scripts/tune_decode.py --splits 4,8,12,16,20,24,28,32,40,48,56,64,80 ;;
     nanobatch) run nanobatch python3 scripts/bench_nanobatch.py --batch 256 128 --balanced 100,132,264 ;;
     replay)  run replay python3 scripts/profile_step.py --batch 256 128 64 32 8 1 --replay ;;
+    barrier) run barrier python3 scripts/bench_grid_barrier.py --rows 16
+             run barrier64 python3 scripts/bench_grid_barrier.py --rows 64 ;;
     single)  run single python3 bench.py --single --json "$OUTDIR/bench_single.json" ;;
     bench8b) run bench8b python3 bench.py --config benchmarks/configs/qwen3-8b.json --json "$OUTDIR/bench_qwen3_8b.json" ;;
     *) echo "unknown stage $stage"; status=1 ;;
