@@ -30,6 +30,7 @@ from nanovllm.kernels.pdl import PDL_LAUNCH, pdl_prologue  # noqa: E402
 
 N, K, BN, KS = 1024, 2048, 32, 512  # o_proj of Qwen3-0.6B, cut as the split-K table cuts it: 128 programs
 COPIES = 16  # 16 x 4 MB of weights: beyond the 50 MB L2
+PROGRAMS = (N // BN) * (K // KS)  # one per (output tile, K slice)
 
 
 @triton.jit
@@ -94,13 +95,13 @@ def _persistent_kernel(w_ptr, a_ptr, out_ptr, counter_ptr, ROUNDS: tl.constexpr,
 
 def run_kernels(ws, a, out, rounds, pre, rows):
     for r in range(rounds):
-        _stage_kernel[((N // BN) * (K // KS),)](ws, a, out, r, COPIES=COPIES, PRE=pre, BM=rows, BN=BN, KS=KS,
+        _stage_kernel[(PROGRAMS,)](ws, a, out, r, COPIES=COPIES, PRE=pre, BM=rows, BN=BN, KS=KS,
                                                 N=N, K=K, num_warps=4, **PDL_LAUNCH)
 
 
 def run_persistent(ws, a, out, counter, rounds, pre, rows):
     counter.zero_()
-    _persistent_kernel[((N // BN) * (K // KS),)](ws, a, out, counter, ROUNDS=rounds, COPIES=COPIES, PRE=pre,
+    _persistent_kernel[(PROGRAMS,)](ws, a, out, counter, ROUNDS=rounds, COPIES=COPIES, PRE=pre,
                                                   BM=rows, BN=BN, KS=KS, N=N, K=K, num_warps=4, **PDL_LAUNCH)
 
 
@@ -110,8 +111,7 @@ def main():
     ap.add_argument("--rows", type=int, default=16, help="decode rows (BM; 16 or more for tl.dot)")
     args = ap.parse_args()
     dev = torch.device("cuda")
-    programs = (N // BN) * (K // KS)
-    assert programs <= torch.cuda.get_device_properties(dev).multi_processor_count, "one program per SM"
+    assert PROGRAMS <= torch.cuda.get_device_properties(dev).multi_processor_count, "one program per SM"
     ws = torch.randn(COPIES, N, K, dtype=torch.bfloat16, device=dev) * 0.02
     a = torch.randn(2, args.rows, K, dtype=torch.bfloat16, device=dev)
     out = torch.empty(2, K // KS, args.rows, N, dtype=torch.float32, device=dev)
@@ -119,7 +119,7 @@ def main():
     expect = (a[(args.rounds - 1) % 2].float() @ ws[(args.rounds - 1) % COPIES].float().T)
     weight_us = N * K * 2 / (4.3e12) * 1e6
     print(f"{args.rounds} dependent stages of [{args.rows}, {K}] x [{K}, {N}] (4 MB of weights each, "
-          f"{weight_us:.2f} us at 4.3 TB/s), {programs} programs, us per stage:")
+          f"{weight_us:.2f} us at 4.3 TB/s), {PROGRAMS} programs, us per stage:")
     for name, fn in (("kernels", lambda: run_kernels(ws, a, out, args.rounds, False, args.rows)),
                      ("kernels+pre", lambda: run_kernels(ws, a, out, args.rounds, True, args.rows)),
                      ("persistent", lambda: run_persistent(ws, a, out, counter, args.rounds, False, args.rows)),
