@@ -80,14 +80,19 @@ def main():
         shared, buffers, regs = compile_sm90(_balanced_decode_kernel, consts, _DECODE_PTRS.get,
                                              lambda n: n.startswith("stride") and n != "stride_bt", 4, stages)
         print(f"  num_stages={stages}: shared {shared:6d} B, {regs} registers, buffers {buffers}")
-    print("paged prefill (Qwen3-0.6B: GQA 2, D=128, block 256, BLOCK_M=128, BLOCK_N=64, 8 warps)")
-    for stages in (2, 3, 4):
-        consts = dict(GROUP=2, BLOCK_Q=64, BLOCK_M=128, BLOCK_N=64, HEAD_DIM=128, BLOCK_D=128, PAGE_SIZE=256,
-                      DOT_PREC="tf32")
-        shared, buffers, _ = compile_sm90(
-            _prefill_kernel, consts, lambda n: "*i32" if n in ("cu_seqlens_q_ptr", "seq_lens_ptr", "block_tables_ptr")
-            else "*bf16", lambda n: n.startswith("stride") and n != "stride_bt", 8, stages)
-        print(f"  num_stages={stages}: shared {shared:6d} B, buffers {buffers}")
+    print("paged prefill (Qwen3-0.6B: GQA 2, D=128, block 256, BLOCK_N=64; K/V by pointers or TMA descriptors)")
+    prefill_types = {"cu_seqlens_q_ptr": "*i32", "seq_lens_ptr": "*i32", "block_tables_ptr": "*i32",
+                     "k_desc": "tensordesc<bf16[64, 128]>", "v_desc": "tensordesc<bf16[64, 128]>"}
+    for block_m, warps in ((128, 8), (256, 16)):
+        for kv_desc in (False, True):
+            for stages in (2, 3, 4):
+                consts = dict(GROUP=2, BLOCK_Q=block_m // 2, BLOCK_M=block_m, BLOCK_N=64, HEAD_DIM=128, BLOCK_D=128,
+                              PAGE_SIZE=256, DOT_PREC="tf32", KV_DESC=kv_desc)
+                shared, buffers, regs = compile_sm90(
+                    _prefill_kernel, consts, lambda n: prefill_types.get(n, "*bf16"),
+                    lambda n: n.startswith("stride") and n != "stride_bt", warps, stages)
+                print(f"  BLOCK_M={block_m} warps={warps} KV_DESC={kv_desc!s:5} num_stages={stages}: "
+                      f"shared {shared:6d} B, {regs} registers, buffers {buffers}")
     print("decode GEMM (split-K partials, M<=16 tile)")
     for stages in (2, 3):
         consts = dict(K_SPLIT=512, BM=16, BN=32, BK=128, GATED=False, PARTIALS=True)

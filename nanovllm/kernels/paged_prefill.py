@@ -11,12 +11,20 @@ so each K/V tile feeds GROUP heads at once (fewer loads than one program per que
 and q_len=1 rows still fill the MMA).  Keys are processed in BLOCK_N tiles: first the tiles
 every row of the block may see (no mask), then the few tiles crossing the causal diagonal.
 Query tiles are launched last-first so the longest programs start earliest.
+
+K/V tiles come either by pointer loads, each key addressed through the block table, or, where a
+key tile never crosses a cache block (block size a multiple of BLOCK_N), as TMA boxes of the cache
+viewed as a [blocks * block_size, heads * head_dim] matrix: 14-27% faster on the H200 at 128-row
+tiles (`MIN_DESC_BLOCK_M`), the pipeline then holding one more K/V tile in flight.
 """
 
 import torch
 import triton
 import triton.language as tl
 
+from triton.tools.tensor_descriptor import TensorDescriptor
+
+from nanovllm.kernels.gemm import tma_compatible
 from nanovllm.kernels.paged_decode import fold_scores
 from nanovllm.kernels.pdl import PDL_LAUNCH, pdl_prologue
 
@@ -68,6 +76,25 @@ def _attend_tile(q, acc, m_i, l_i, n0, offs_n, bt_row, k_head, v_head, d, q_pos,
     return acc, m_i, l_i
 
 
+@triton.jit
+def _attend_tile_desc(q, acc, m_i, l_i, n0, offs_n, blk, k_desc, v_desc, col, q_pos, kv_end, qk_scale,
+                      PAGE_SIZE: tl.constexpr, MASKED: tl.constexpr, DOT_PREC: tl.constexpr):
+    """`_attend_tile` with K/V through TMA tensor descriptors over the cache viewed as
+    [blocks * PAGE_SIZE, heads * D]: a key tile lies in one cache block (blk), so it is one box."""
+    pos = n0 + offs_n
+    row = blk * PAGE_SIZE + n0 % PAGE_SIZE
+    k = k_desc.load([row, col])
+    v = v_desc.load([row, col])
+    s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * qk_scale  # [BLOCK_M, BLOCK_N]
+    if MASKED:
+        n_mask = pos < kv_end
+        s = tl.where((pos[None, :] <= q_pos[:, None]) & n_mask[None, :], s, float("-inf"))
+        # Slots past the sequence hold anything (NaN included): 0 * NaN would reach the output.
+        v = tl.where(n_mask[:, None], v, 0.0)
+    m_i, l_i, acc = fold_scores(s, v, m_i, l_i, acc, DOT_PREC)
+    return acc, m_i, l_i
+
+
 # The block-table width changes every step, and the engine passes the slices of seq_lens and
 # block_tables after its decode rows (any alignment): neither is specialised on, so one compiled
 # variant serves every batch instead of recompiling inside a request.
@@ -83,6 +110,7 @@ def _prefill_kernel(
     stride_vb, stride_vt, stride_vh,
     stride_ot, stride_oh,
     stride_bt,
+    k_desc, v_desc,  # KV_DESC: TMA descriptors of the caches as [blocks * PAGE_SIZE, heads * HEAD_DIM]
     GROUP: tl.constexpr,  # query heads per KV head
     BLOCK_Q: tl.constexpr,  # query tokens per program (BLOCK_M // GROUP)
     BLOCK_M: tl.constexpr,  # (token, head) rows per program; BLOCK_Q * GROUP <= BLOCK_M
@@ -90,6 +118,7 @@ def _prefill_kernel(
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     PAGE_SIZE: tl.constexpr,
     DOT_PREC: tl.constexpr,
+    KV_DESC: tl.constexpr,  # K/V tiles through k_desc/v_desc (needs PAGE_SIZE % BLOCK_N == 0, BLOCK_D == HEAD_DIM)
 ):
     # The layout (step inputs, no kernel's output) is read before the programmatic-launch wait.
     b = tl.program_id(0) // num_kv_heads
@@ -129,16 +158,34 @@ def _prefill_kernel(
     # first_tok); keys in [full_end, kv_end) need the causal mask.
     full_end = (prefix + first_tok + 1) // BLOCK_N * BLOCK_N
     kv_end = prefix + tl.minimum(first_tok + BLOCK_Q, q_len)
-    for n0 in range(0, full_end, BLOCK_N):
-        acc, m_i, l_i = _attend_tile(q, acc, m_i, l_i, n0, offs_n, bt_row, k_head, v_head, d,
-                                     q_pos, kv_end, qk_scale,
-                                     stride_kb, stride_kt, stride_vb, stride_vt,
-                                     HEAD_DIM, BLOCK_D, PAGE_SIZE, False, DOT_PREC)
-    for n0 in range(full_end, kv_end, BLOCK_N):
-        acc, m_i, l_i = _attend_tile(q, acc, m_i, l_i, n0, offs_n, bt_row, k_head, v_head, d,
-                                     q_pos, kv_end, qk_scale,
-                                     stride_kb, stride_kt, stride_vb, stride_vt,
-                                     HEAD_DIM, BLOCK_D, PAGE_SIZE, True, DOT_PREC)
+    if KV_DESC:
+        # Each tile's block id is loaded one tile ahead and carried, so the descriptor loads do not
+        # depend on a load of their own iteration (the pipeliner would spend a stage on it).
+        col = kv_head * HEAD_DIM
+        blk = tl.load(bt_row)
+        for n0 in range(0, full_end, BLOCK_N):
+            nxt = n0 + BLOCK_N
+            blk_next = tl.load(bt_row + nxt // PAGE_SIZE, mask=nxt < kv_end, other=0)
+            acc, m_i, l_i = _attend_tile_desc(q, acc, m_i, l_i, n0, offs_n, blk, k_desc, v_desc, col, q_pos,
+                                              kv_end, qk_scale, PAGE_SIZE, False, DOT_PREC)
+            blk = blk_next
+        for n0 in range(full_end, kv_end, BLOCK_N):
+            nxt = n0 + BLOCK_N
+            blk_next = tl.load(bt_row + nxt // PAGE_SIZE, mask=nxt < kv_end, other=0)
+            acc, m_i, l_i = _attend_tile_desc(q, acc, m_i, l_i, n0, offs_n, blk, k_desc, v_desc, col, q_pos,
+                                              kv_end, qk_scale, PAGE_SIZE, True, DOT_PREC)
+            blk = blk_next
+    else:
+        for n0 in range(0, full_end, BLOCK_N):
+            acc, m_i, l_i = _attend_tile(q, acc, m_i, l_i, n0, offs_n, bt_row, k_head, v_head, d,
+                                         q_pos, kv_end, qk_scale,
+                                         stride_kb, stride_kt, stride_vb, stride_vt,
+                                         HEAD_DIM, BLOCK_D, PAGE_SIZE, False, DOT_PREC)
+        for n0 in range(full_end, kv_end, BLOCK_N):
+            acc, m_i, l_i = _attend_tile(q, acc, m_i, l_i, n0, offs_n, bt_row, k_head, v_head, d,
+                                         q_pos, kv_end, qk_scale,
+                                         stride_kb, stride_kt, stride_vb, stride_vt,
+                                         HEAD_DIM, BLOCK_D, PAGE_SIZE, True, DOT_PREC)
 
     # Every stored row saw key 0, so l_i > 0 there; the guard only protects padded rows.
     o = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
@@ -146,8 +193,9 @@ def _prefill_kernel(
              o.to(out_ptr.dtype.element_ty), mask=io_mask)
 
 
-def _prefill_config(head_dim: int, group: int, max_query_len: int):
-    """(BLOCK_M, BLOCK_N, num_warps, num_stages): fixed table (no autotuning)."""
+def _prefill_config(head_dim: int, group: int, max_query_len: int, kv_desc: bool = False):
+    """(BLOCK_M, BLOCK_N, num_warps, num_stages): fixed table (no autotuning). kv_desc: K/V tiles
+    can come through TMA descriptors (`_desc_applies`)."""
     block_d = triton.next_power_of_2(head_dim)
     rows = max_query_len * group
     if rows <= 16:  # decode-like / tiny chunks: small tiles, no wasted MMA rows
@@ -156,9 +204,11 @@ def _prefill_config(head_dim: int, group: int, max_query_len: int):
         block_m, num_warps = 32, 4
     elif rows <= 64:
         block_m, num_warps = 64, 4
-    elif rows <= 256 or triton.next_power_of_2(head_dim) > 128:
-        block_m, num_warps = 128, 8  # 2 warpgroups x m64 wgmma on Hopper; 4 warps would need ~250 regs/thread
-    else:  # long prompts: 4 warpgroups; measured 13-21% faster than 128 rows (scripts/tune_prefill.py)
+    elif rows <= 256 or triton.next_power_of_2(head_dim) > 128 or kv_desc:
+        # 2 warpgroups x m64 wgmma on Hopper; 4 warps would need ~250 regs/thread. With K/V through
+        # TMA, as fast as or faster than 256-row tiles at every shape scripts/tune_prefill.py runs.
+        block_m, num_warps = 128, 8
+    else:  # long prompts, K/V by pointers: 4 warpgroups, 13-21% faster than 128 rows (scripts/tune_prefill.py)
         block_m, num_warps = 256, 16
     block_m = max(block_m, triton.next_power_of_2(group))
     if block_d <= 128:
@@ -166,6 +216,23 @@ def _prefill_config(head_dim: int, group: int, max_query_len: int):
     else:  # head_dim 256: keep Q + 2 stages of K/V within shared memory
         block_n, num_stages = 32, 2
     return block_m, block_n, num_warps, num_stages
+
+
+# K/V tiles through TMA descriptors where they apply, for tiles of at least this many rows. Measured on
+# the H200 (scripts/tune_prefill.py, Qwen3-0.6B heads, us, pointer loads with the old table's tiles ->
+# TMA with (128, 64, 8 warps, 3 stages)): the benchmark's first prefill (27 prompts, 16k tokens) 240.9
+# -> 215.8, 8 x 2048 429.8 -> 368.0, 1 x 8192 717.9 -> 574.6 (478 TFLOP/s), 4 x 512-token chunks on
+# 3584-token prefixes 197.8 -> 144.1. With 64-row tiles (4 warps) TMA was slower (251.0 -> 287.5).
+MIN_DESC_BLOCK_M = 128
+
+
+def _desc_applies(k_cache: torch.Tensor, v_cache: torch.Tensor, page_size: int, block_n: int = 64) -> bool:
+    """Whether K/V tiles of block_n keys can come through TMA descriptors: each key tile inside one
+    cache block, each cache a contiguous [blocks * page_size, heads * D] matrix with 16-byte aligned
+    rows, and a power-of-two head_dim (the box is the whole head)."""
+    return (k_cache.is_cuda and page_size % block_n == 0 and k_cache.is_contiguous() and v_cache.is_contiguous()
+            and triton.next_power_of_2(k_cache.shape[-1]) == k_cache.shape[-1]
+            and all(tma_compatible(c.view(c.shape[0] * page_size, -1)) for c in (k_cache, v_cache)))
 
 
 def paged_prefill_attention(
@@ -179,6 +246,7 @@ def paged_prefill_attention(
     scale: float,
     out: torch.Tensor | None = None,
     _config: tuple | None = None,  # (BLOCK_M, BLOCK_N, num_warps, num_stages), for benchmarks
+    _kv_desc: bool | None = None,  # K/V through TMA descriptors (None: where `_desc_applies`), for benchmarks
 ) -> torch.Tensor:
     """Causal (with prefix offset) attention of packed queries over the paged cache.
 
@@ -204,10 +272,20 @@ def paged_prefill_attention(
     if total_q == 0 or batch == 0 or max_query_len <= 0:
         return out
 
+    desc_ok = _desc_applies(k_cache, v_cache, page_size)
     block_m, block_n, num_warps, num_stages = _config or _prefill_config(
-        head_dim, group, max_query_len)
+        head_dim, group, max_query_len, desc_ok)
     block_q = max(1, block_m // group)
     grid = (batch * num_kv_heads, triton.cdiv(max_query_len, block_q))
+    kv_desc = _kv_desc
+    if kv_desc is None:
+        kv_desc = desc_ok and block_m >= MIN_DESC_BLOCK_M and page_size % block_n == 0
+    if kv_desc:
+        rows = k_cache.shape[0] * page_size
+        k_desc = TensorDescriptor.from_tensor(k_cache.view(rows, -1), [block_n, head_dim])
+        v_desc = TensorDescriptor.from_tensor(v_cache.view(rows, -1), [block_n, head_dim])
+    else:
+        k_desc = v_desc = k_cache  # KV_DESC=False never reads them
     _prefill_kernel[grid](
         q, k_cache, v_cache, out,
         cu_seqlens_q, seq_lens, block_tables,
@@ -218,9 +296,10 @@ def paged_prefill_attention(
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         out.stride(0), out.stride(1),
         block_tables.stride(0),
+        k_desc, v_desc,
         GROUP=group, BLOCK_Q=block_q, BLOCK_M=block_m, BLOCK_N=block_n,
         HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim),
         PAGE_SIZE=page_size,
-        DOT_PREC="ieee" if q.dtype == torch.float32 else "tf32",
+        DOT_PREC="ieee" if q.dtype == torch.float32 else "tf32", KV_DESC=kv_desc,
         num_warps=num_warps, num_stages=num_stages, **PDL_LAUNCH)
     return out

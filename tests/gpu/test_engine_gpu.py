@@ -23,30 +23,32 @@ def _greedy(llm, prompts, n=24):
     return [o["token_ids"] for o in outs]
 
 
-def _greedy_top2(llm, prompts, n):
-    """Greedy tokens and, per token, the two best (token id, logprob) of the reference."""
-    params = SamplingParams(temperature=0, max_tokens=n, ignore_eos=True, logprobs=2)
+def _greedy_topk(llm, prompts, n, k=20):
+    """Greedy tokens and, per token, the k best (token id, logprob) of the reference."""
+    params = SamplingParams(temperature=0, max_tokens=n, ignore_eos=True, logprobs=k)
     outs = llm.generate(prompts, params, use_tqdm=False)
-    return [(o["token_ids"], [[(t["token_id"], t["logprob"]) for t in e["top_logprobs"]] for e in o["logprobs"]])
+    return [(o["token_ids"], [{t["token_id"]: t["logprob"] for t in e["top_logprobs"]} for e in o["logprobs"]])
             for o in outs]
 
 
 # bf16 paths round differently (accumulation order, fused vs separate ops): over 28 layers the
-# logits move by a few hundredths, so a reference top-2 gap below this is a tie, not a bug.
+# logits move by a few hundredths, so a reference logprob gap below this is a tie, not a bug.
 BF16_NEAR_TIE = 0.1
 
 
 def _assert_bf16_agreement(ours, reference, what):
-    """Token-equal to the reference until a divergence where the reference had a near-tie (and ours
-    took its runner-up); after that the continuations are not comparable."""
-    for i, (tokens, (ref_tokens, ref_top2)) in enumerate(zip(ours, reference)):
+    """Token-equal to the reference until a divergence where our token was a near-tie of the
+    reference's (within BF16_NEAR_TIE of its logprob, by the reference's own logprobs); after that the
+    continuations are not comparable. (Random weights give flat distributions: the near-tie may be
+    the reference's third or fourth candidate, not only its runner-up.)"""
+    for i, (tokens, (ref_tokens, ref_topk)) in enumerate(zip(ours, reference)):
         for j, (a, b) in enumerate(zip(tokens, ref_tokens)):
             if a == b:
                 continue
-            (t0, l0), (t1, l1) = ref_top2[j]
-            assert a == t1 and l0 - l1 < BF16_NEAR_TIE, (
-                f"{what}: prompt {i} token {j}: ours {a}, reference {b} (top-2 {t0}:{l0:.4f}, {t1}:{l1:.4f})\n"
-                f"ours {tokens}\nref  {ref_tokens}")
+            top = ref_topk[j]
+            assert a in top and top[b] - top[a] < BF16_NEAR_TIE, (
+                f"{what}: prompt {i} token {j}: ours {a} ({top.get(a, 'not in the reference top-k')}), "
+                f"reference {b} ({top[b]:.4f})\nours {tokens}\nref  {ref_tokens}")
             break
 
 
@@ -120,7 +122,7 @@ def test_qwen3_06b_bf16_triton_agrees_with_torch_backend(tmp_path):
     with LLM(str(tmp_path), **kwargs) as fast:
         a = _greedy(fast, prompts, 8)
     with LLM(str(tmp_path), attention_backend="torch", enforce_eager=True, **kwargs) as ref:
-        b = _greedy_top2(ref, prompts, 8)
+        b = _greedy_topk(ref, prompts, 8)
     _assert_bf16_agreement(a, b, "triton vs torch backend")
 
 
@@ -140,7 +142,7 @@ def test_qwen3_06b_bf16_decode_schedules_agree_with_torch_backend(schedule, tmp_
         assert (fast.engine.model_runner.backend.balanced is not None) == (schedule == "balanced")
         a = _greedy(fast, prompts, 8)
     with LLM(str(tmp_path), attention_backend="torch", enforce_eager=True, **kwargs) as ref:
-        b = _greedy_top2(ref, prompts, 8)
+        b = _greedy_topk(ref, prompts, 8)
     _assert_bf16_agreement(a, b, f"{schedule} decode vs torch backend")
 
 
@@ -183,5 +185,5 @@ def test_qwen3_06b_bf16_triton_projections_agree_with_cublas(tmp_path, monkeypat
     monkeypatch.setattr(gemm, "dense_config", lambda m, n, k, gated=False: None)
     monkeypatch.setattr(qkv_rope, "qkv_rope_config", lambda m, k, d: None)
     with LLM(str(tmp_path), **kwargs) as ref:
-        b = _greedy_top2(ref, prompts, 8)
+        b = _greedy_topk(ref, prompts, 8)
     _assert_bf16_agreement(a, b, "our projections vs cuBLAS")

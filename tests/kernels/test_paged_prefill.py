@@ -7,7 +7,7 @@ from nanovllm.kernels import reference as ref
 
 
 def _run_case(q_lens, seq_lens, num_q_heads, num_kv_heads, head_dim, block_size, dtype, device,
-              gen, max_query_len=None):
+              gen, max_query_len=None, **kernel_args):
     """q_lens[b] new tokens of a sequence with seq_lens[b] keys in total (prefix = difference)."""
     k_cache, v_cache, block_tables = ref.random_paged_kv(
         seq_lens, num_kv_heads, head_dim, block_size, dtype, device, generator=gen)
@@ -24,7 +24,7 @@ def _run_case(q_lens, seq_lens, num_q_heads, num_kv_heads, head_dim, block_size,
 
     out = torch.full((cu[-1], num_q_heads, head_dim), float("nan"), dtype=dtype, device=device)
     res = paged_prefill_attention(q, k_cache, v_cache, cu_seqlens_q, seq_lens_t, block_tables,
-                                  max_query_len, scale, out=out)
+                                  max_query_len, scale, out=out, **kernel_args)
     assert res is out
     expect = ref.paged_prefill_attention(q, k_cache, v_cache, cu_seqlens_q, seq_lens_t,
                                          block_tables, max_query_len, scale)
@@ -91,3 +91,19 @@ def test_prefill_odd_shapes(device, gen):
 def test_prefill_max_query_len_overestimate(device, gen):
     """A larger max_query_len than needed (e.g. a padded hint) only adds empty programs."""
     _run_case([9, 30], [9, 45], 4, 2, 64, 64, torch.float16, device, gen, max_query_len=200)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("num_q_heads,num_kv_heads,head_dim,block_size,config", [
+    (4, 2, 128, 64, None),  # the table's tiles (BLOCK_N 64: one tile per cache block)
+    (8, 4, 64, 256, (64, 64, 4, 3)),
+    (4, 2, 64, 128, (256, 64, 16, 3)),  # the long-prompt tiles
+    (2, 2, 64, 128, (16, 64, 4, 3)),  # decode-like rows
+])
+def test_prefill_kv_through_descriptors(num_q_heads, num_kv_heads, head_dim, block_size, config, dtype, device, gen):
+    """K/V tiles as TMA boxes (one cache block per key tile): plain prompts, prefix hits ending mid-tile
+    and decode rows; the slots past each sequence hold NaN, which the masked tiles must not let through."""
+    q_lens = _scale([150, 1, 37, 20, 1, 64])
+    seq_lens = [q + p for q, p in zip(q_lens, _scale([0, 90, 263, 0, 5, 65]))]
+    _run_case(q_lens, seq_lens, num_q_heads, num_kv_heads, head_dim, block_size, dtype, device, gen,
+              _config=config, _kv_desc=True)
