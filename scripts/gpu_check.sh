@@ -12,7 +12,9 @@
 # prefillprofile (device time and top kernels of each of the benchmark's prefill steps), sample (the sampling pass at decode batch sizes),
 # splits (decode attention at every split count, 4-80 sequences), nanobatch (two half-batches on two streams, also with
 # the balanced attention at 100/132/264 programs), replay (engine step against its CUDA graphs replayed back to back),
-# barrier (dependent projections as kernels vs one persistent kernel with grid barriers).
+# barrier (dependent projections as kernels vs one persistent kernel with grid barriers), prefilltiles (prefill
+# attention tiles, K/V by pointers and through TMA), lmhead (the LM head and the sampling draw in one kernel vs cuBLAS +
+# the sampling pass).
 set -o pipefail
 OUTDIR=${1:-${OUT:-/tmp/nanovllm-gpu}}
 mkdir -p "$OUTDIR"
@@ -51,6 +53,8 @@ for stage in $STAGES; do
     replay)  run replay python3 scripts/profile_step.py --batch 256 128 64 32 8 1 --replay ;;
     barrier) run barrier python3 scripts/bench_grid_barrier.py --rows 16
              run barrier64 python3 scripts/bench_grid_barrier.py --rows 64 ;;
+    prefilltiles) run prefilltiles python3 scripts/tune_prefill.py ;;
+    lmhead)  run lmhead python3 scripts/bench_lm_head_sample.py ;;
     single)  run single python3 bench.py --single --json "$OUTDIR/bench_single.json" ;;
     bench8b) run bench8b python3 bench.py --config benchmarks/configs/qwen3-8b.json --json "$OUTDIR/bench_qwen3_8b.json" ;;
     *) echo "unknown stage $stage"; status=1 ;;
