@@ -29,8 +29,8 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 from nanovllm.kernels.gemm import mainloop  # noqa: E402
 from nanovllm.kernels.pdl import PDL_LAUNCH, pdl_prologue  # noqa: E402
-from nanovllm.kernels.sample import (_exponential_from_bits, _mix32, _row_key, _sample_merge_kernel,  # noqa: E402
-                                     fast_logf, sample_rows)
+from nanovllm.kernels.sample import (_row_key, _sample_merge_kernel, fast_logf, gumbel_max_scores,  # noqa: E402
+                                     sample_rows)
 
 VOCAB, HIDDEN = 151936, 1024
 # (BM, BN, BK, warps, stages) by row count. Register counts compiled for sm_90 (scripts/kernel_ir.py's
@@ -65,13 +65,7 @@ def lm_head_sample_kernel(a_desc, w_desc, temps_ptr, seeds_ptr, offsets_ptr, par
     x = acc.to(a_desc.dtype).to(tl.float32)  # the logits as the LM head writes them
     greedy = (temp <= 0.0)[:, None]
     inv_t = (1.0 / tl.where(temp <= 0.0, 1.0, temp))[:, None]
-    bits = _mix32(_mix32(key[:, None] ^ cols[None, :].to(tl.uint32)) ^ (key >> 7)[:, None])
-    exp1 = _exponential_from_bits(bits, FAST_LOG)
-    if FAST_LOG:
-        gumbel = -fast_logf(exp1)
-    else:
-        gumbel = -tl.log(exp1)
-    score = tl.where(greedy, x, x * inv_t + gumbel)
+    score = gumbel_max_scores(x, key[:, None], (key >> 7)[:, None], cols[None, :], greedy, inv_t, FAST_LOG)
     score = tl.where((cols < V)[None, :], score, float("-inf"))
     top = tl.max(score, axis=1)
     # The lowest token among a row's equal maxima (torch.argmax's rule, as in sample_rows).

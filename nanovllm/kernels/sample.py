@@ -54,6 +54,20 @@ def _exponential_from_bits(bits, FAST_LOG: tl.constexpr):
     return tl.where(w < 1.0 / 32.0, series, log_part)
 
 
+@triton.jit
+def gumbel_max_scores(x, key, salt, cols, greedy, inv_t, FAST_LOG: tl.constexpr):
+    """The draw's score of logits x (fp32) at token ids cols for rows with keys key / salt: x itself
+    for greedy rows, else x / T - log(E), E the row's Exp(1) noise at that token (any broadcastable
+    shapes: the split pass below, and scripts/bench_lm_head_sample.py's GEMM epilogue)."""
+    bits = _mix32(_mix32(key ^ cols.to(tl.uint32)) ^ salt)
+    exp1 = _exponential_from_bits(bits, FAST_LOG)
+    if FAST_LOG:
+        gumbel = -fast_logf(exp1)
+    else:
+        gumbel = -tl.log(exp1)
+    return tl.where(greedy, x, x * inv_t + gumbel)
+
+
 @triton.jit(do_not_specialize=["chunk", "num_splits"])  # batch-dependent: one variant
 def _sample_split_kernel(logits_ptr, stride_row, temps_ptr, row_keys_ptr, seeds_ptr, offsets_ptr,
                          part_score_ptr, part_idx_ptr, vocab_size, chunk, num_splits,
@@ -85,13 +99,7 @@ def _sample_split_kernel(logits_ptr, stride_row, temps_ptr, row_keys_ptr, seeds_
             x_next = tl.load(base + cols + BLOCK, mask=cols + BLOCK < hi, other=float("-inf"))
         else:
             x = tl.load(base + cols, mask=mask, other=float("-inf")).to(tl.float32)
-        bits = _mix32(_mix32(key ^ cols.to(tl.uint32)) ^ salt)
-        exp1 = _exponential_from_bits(bits, FAST_LOG)
-        if FAST_LOG:
-            gumbel = -fast_logf(exp1)
-        else:
-            gumbel = -tl.log(exp1)
-        score = tl.where(greedy, x, x * inv_t + gumbel)
+        score = gumbel_max_scores(x, key, salt, cols, greedy, inv_t, FAST_LOG)
         score = tl.where(mask, score, float("-inf"))
         better = score > best  # strict: the first of equal scores wins, as in torch.argmax
         best = tl.where(better, score, best)
