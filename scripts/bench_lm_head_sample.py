@@ -14,7 +14,8 @@ GEMMs round every logit alike (they accumulate in another order: a rare logit ma
 step, which can change a draw only where two scores tie to that step).
 
 Prints, per row count, us per step of both paths (CUDA graphs, the weights streaming from HBM as in
-a model) for a few tile shapes, and how many rows draw differently. Nothing here is used by the
+a model) for a few tile shapes, how many rows draw differently, and two diagnostics: cuBLAS's LM head
+alone and the fused kernel with an argmax instead of the draw (our GEMM with a cheap epilogue). Nothing here is used by the
 engine; the numbers decide whether the engine's sampling graph should take this path.
 """
 import argparse
@@ -48,7 +49,7 @@ CONFIGS = {
 @triton.jit(do_not_specialize=["M"])
 def lm_head_sample_kernel(a_desc, w_desc, temps_ptr, seeds_ptr, offsets_ptr, part_score_ptr, part_idx_ptr,
                           M, V, num_tiles, K: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                          FAST_LOG: tl.constexpr):
+                          FAST_LOG: tl.constexpr, NOISE: tl.constexpr = True):
     """grid (cdiv(M, BM), cdiv(V, BN)): the [BM, BN] logits tile of hidden @ embedding^T, and per row
     its best Gumbel-max score and token (`kernels/sample.py`'s seeded draw) into the partials. The row
     blocks of one vocabulary tile are neighbours in launch order: its weights come from HBM once."""
@@ -65,7 +66,10 @@ def lm_head_sample_kernel(a_desc, w_desc, temps_ptr, seeds_ptr, offsets_ptr, par
     x = acc.to(a_desc.dtype).to(tl.float32)  # the logits as the LM head writes them
     greedy = (temp <= 0.0)[:, None]
     inv_t = (1.0 / tl.where(temp <= 0.0, 1.0, temp))[:, None]
-    score = gumbel_max_scores(x, key[:, None], (key >> 7)[:, None], cols[None, :], greedy, inv_t, FAST_LOG)
+    if NOISE:
+        score = gumbel_max_scores(x, key[:, None], (key >> 7)[:, None], cols[None, :], greedy, inv_t, FAST_LOG)
+    else:  # the argmax alone (a diagnostic: the GEMM and a cheap epilogue, no draw)
+        score = x
     score = tl.where((cols < V)[None, :], score, float("-inf"))
     top = tl.max(score, axis=1)
     # The lowest token among a row's equal maxima (torch.argmax's rule, as in sample_rows).
@@ -74,8 +78,9 @@ def lm_head_sample_kernel(a_desc, w_desc, temps_ptr, seeds_ptr, offsets_ptr, par
     tl.store(part_idx_ptr + rows * num_tiles + pid_n, idx, mask=row_ok)
 
 
-def fused_draw(hidden, weight, temps, seeds, offsets, out, config, parts=None):
-    """Tokens [M] drawn from softmax(hidden @ weight^T / T) (greedy rows: the argmax) in two launches."""
+def fused_draw(hidden, weight, temps, seeds, offsets, out, config, parts=None, noise=True):
+    """Tokens [M] drawn from softmax(hidden @ weight^T / T) (greedy rows: the argmax) in two launches;
+    noise=False: every row's argmax (timing the GEMM with a cheap epilogue)."""
     bm, bn, bk, warps, stages = config
     m, k = hidden.shape
     v = weight.shape[0]
@@ -86,7 +91,7 @@ def fused_draw(hidden, weight, temps, seeds, offsets, out, config, parts=None):
     fast_log = hidden.is_cuda and fast_logf is not None
     lm_head_sample_kernel[(triton.cdiv(m, bm), tiles)](
         TensorDescriptor.from_tensor(hidden, [bm, bk]), TensorDescriptor.from_tensor(weight, [bn, bk]),
-        temps, seeds, offsets, parts[0], parts[1], m, v, tiles, K=k, BM=bm, BN=bn, BK=bk, FAST_LOG=fast_log,
+        temps, seeds, offsets, parts[0], parts[1], m, v, tiles, K=k, BM=bm, BN=bn, BK=bk, FAST_LOG=fast_log, NOISE=noise,
         num_warps=warps, num_stages=stages, **PDL_LAUNCH)
     _sample_merge_kernel[(m,)](parts[0], parts[1], out, tiles, v, BLOCK_S=triton.next_power_of_2(tiles),
                                num_warps=4, **PDL_LAUNCH)
@@ -131,7 +136,8 @@ def main():
         logits = torch.empty(m, VOCAB, dtype=dt, device=dev)
         ref = torch.empty(m, dtype=torch.int64, device=dev)
         t_ref = graph_us(lambda: two_kernel_draw(hidden, weight, temps, seeds, offsets, ref, logits))
-        line = [f"rows {m:3d}: cuBLAS LM head + sample_rows {t_ref:6.1f} us"]
+        t_mm = graph_us(lambda: torch.mm(hidden, weight.t(), out=logits))
+        line = [f"rows {m:3d}: cuBLAS LM head + sample_rows {t_ref:6.1f} us (the LM head alone {t_mm:6.1f})"]
         for config in CONFIGS.get(m, CONFIGS[min(CONFIGS, key=lambda r: abs(r - m))]):
             out = torch.empty(m, dtype=torch.int64, device=dev)
             try:
@@ -140,7 +146,8 @@ def main():
                 line.append(f"{config}: {type(e).__name__}")
                 continue
             differ = (out != ref).sum().item()
-            line.append(f"{config} {t:6.1f} us ({differ} rows draw otherwise)")
+            t_argmax = graph_us(lambda: fused_draw(hidden, weight, temps, seeds, offsets, out, config, noise=False))
+            line.append(f"{config} {t:6.1f} us ({differ} rows draw otherwise; argmax only {t_argmax:6.1f} us)")
         print("\n  ".join(line), flush=True)
 
 

@@ -30,3 +30,15 @@ def test_fused_draws_equal_the_two_kernel_path(config, device):
     assert got.tolist() == expect.tolist()
     greedy = temps == 0
     assert got[greedy].tolist() == logits[greedy].argmax(-1).tolist()  # the lowest of equal maxima
+
+
+def test_without_noise_every_row_takes_its_argmax(device):
+    g = torch.Generator().manual_seed(1)
+    dt = torch.bfloat16 if device.type == "cuda" else torch.float16
+    hidden = (torch.randint(-2, 3, (5, 64), generator=g) * 0.25).to(device, dt)
+    weight = (torch.randint(-2, 3, (200, 64), generator=g) * 0.25).to(device, dt)
+    temps = torch.full((5,), 0.6, device=device)
+    zeros = torch.zeros(5, dtype=torch.int64, device=device)
+    out = torch.empty(5, dtype=torch.int64, device=device)
+    got = study.fused_draw(hidden, weight, temps, zeros, zeros, out, (16, 64, 64, 4, 2), noise=False)
+    assert got.tolist() == (hidden.float() @ weight.float().T).argmax(-1).tolist()
