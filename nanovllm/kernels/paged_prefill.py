@@ -95,6 +95,23 @@ def _attend_tile_desc(q, acc, m_i, l_i, n0, offs_n, blk, k_desc, v_desc, col, q_
     return acc, m_i, l_i
 
 
+@triton.jit
+def _attend_range_desc(q, acc, m_i, l_i, lo, hi, blk, bt_row, offs_n, k_desc, v_desc, col, q_pos, kv_end, qk_scale,
+                       BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr, MASKED: tl.constexpr,
+                       DOT_PREC: tl.constexpr):
+    """`_attend_tile_desc` over the key tiles lo, lo + BLOCK_N, .. < hi. blk: the first tile's block
+    id; each next one is loaded a tile ahead and carried, so the descriptor loads do not depend on a
+    load of their own iteration (the pipeliner would spend a stage on it). Returns the block id of
+    the tile at hi too, for a range that continues there."""
+    for n0 in range(lo, hi, BLOCK_N):
+        nxt = n0 + BLOCK_N
+        blk_next = tl.load(bt_row + nxt // PAGE_SIZE, mask=nxt < kv_end, other=0)
+        acc, m_i, l_i = _attend_tile_desc(q, acc, m_i, l_i, n0, offs_n, blk, k_desc, v_desc, col, q_pos,
+                                          kv_end, qk_scale, PAGE_SIZE, MASKED, DOT_PREC)
+        blk = blk_next
+    return acc, m_i, l_i, blk
+
+
 # The block-table width changes every step, and the engine passes the slices of seq_lens and
 # block_tables after its decode rows (any alignment): neither is specialised on, so one compiled
 # variant serves every batch instead of recompiling inside a request.
@@ -159,22 +176,13 @@ def _prefill_kernel(
     full_end = (prefix + first_tok + 1) // BLOCK_N * BLOCK_N
     kv_end = prefix + tl.minimum(first_tok + BLOCK_Q, q_len)
     if KV_DESC:
-        # Each tile's block id is loaded one tile ahead and carried, so the descriptor loads do not
-        # depend on a load of their own iteration (the pipeliner would spend a stage on it).
         col = kv_head * HEAD_DIM
-        blk = tl.load(bt_row)
-        for n0 in range(0, full_end, BLOCK_N):
-            nxt = n0 + BLOCK_N
-            blk_next = tl.load(bt_row + nxt // PAGE_SIZE, mask=nxt < kv_end, other=0)
-            acc, m_i, l_i = _attend_tile_desc(q, acc, m_i, l_i, n0, offs_n, blk, k_desc, v_desc, col, q_pos,
-                                              kv_end, qk_scale, PAGE_SIZE, False, DOT_PREC)
-            blk = blk_next
-        for n0 in range(full_end, kv_end, BLOCK_N):
-            nxt = n0 + BLOCK_N
-            blk_next = tl.load(bt_row + nxt // PAGE_SIZE, mask=nxt < kv_end, other=0)
-            acc, m_i, l_i = _attend_tile_desc(q, acc, m_i, l_i, n0, offs_n, blk, k_desc, v_desc, col, q_pos,
-                                              kv_end, qk_scale, PAGE_SIZE, True, DOT_PREC)
-            blk = blk_next
+        acc, m_i, l_i, blk = _attend_range_desc(q, acc, m_i, l_i, 0, full_end, tl.load(bt_row), bt_row, offs_n,
+                                                k_desc, v_desc, col, q_pos, kv_end, qk_scale,
+                                                BLOCK_N, PAGE_SIZE, False, DOT_PREC)
+        acc, m_i, l_i, blk = _attend_range_desc(q, acc, m_i, l_i, full_end, kv_end, blk, bt_row, offs_n,
+                                                k_desc, v_desc, col, q_pos, kv_end, qk_scale,
+                                                BLOCK_N, PAGE_SIZE, True, DOT_PREC)
     else:
         for n0 in range(0, full_end, BLOCK_N):
             acc, m_i, l_i = _attend_tile(q, acc, m_i, l_i, n0, offs_n, bt_row, k_head, v_head, d,
