@@ -18,6 +18,8 @@ import shutil
 import sys
 import tempfile
 import time
+from array import array
+from operator import add
 
 import torch
 
@@ -55,10 +57,17 @@ def measure_device(device: torch.device) -> tuple[float, float]:
 
 
 class ScheduleRecorder:
-    """Wraps the scheduler to record, per step, the tokens computed and the context read."""
+    """Wraps the scheduler to record, per step, the tokens computed and the context read.
+
+    The records go into flat integer arrays, which the garbage collector does not track: per-step
+    lists of 256 ints would be ~800k list items by the end of the run, and walking them made a
+    generation-1 collection inside the timed run (10-20 ms, a device stall) that the engine alone
+    does not have."""
 
     def __init__(self, scheduler, stage_totals: dict | None = None):
-        self.steps = []
+        self._num_decodes = array("q")
+        self._row_end = array("q")  # step i's rows are [_row_end[i - 1], _row_end[i]) of the arrays below
+        self._new, self._ctx, self._computed = array("q"), array("q"), array("q")
         self.times = []  # perf_counter at each scheduled step: the gaps are step times once the GPU is busy
         # With stage_totals (host_timing.py's per-stage timers, which must wrap the scheduler first): the
         # host time per stage over each step's wall, i.e. from its scheduling to the next step's (its
@@ -74,11 +83,23 @@ class ScheduleRecorder:
                         self.stages.append(dict(stage_totals))
                     stage_totals.clear()
                 self.times.append(time.perf_counter())
-                ctx = [s.num_computed_tokens + n for s, n in zip(batch.seqs, batch.num_new_tokens)]
-                self.steps.append((batch.num_decodes, list(batch.num_new_tokens), ctx,
-                                   [s.num_computed_tokens for s in batch.seqs]))
+                self._num_decodes.append(batch.num_decodes)
+                computed = [s.num_computed_tokens for s in batch.seqs]
+                self._new.extend(batch.num_new_tokens)
+                self._computed.extend(computed)
+                self._ctx.extend(map(add, computed, batch.num_new_tokens))
+                self._row_end.append(len(self._new))
             return batch
         scheduler.schedule = schedule
+
+    @property
+    def steps(self) -> list[tuple[int, list[int], list[int], list[int]]]:
+        """(decode rows, new tokens per row, context per row, computed tokens per row) per step."""
+        out, lo = [], 0
+        for nd, hi in zip(self._num_decodes, self._row_end):
+            out.append((nd, self._new[lo:hi].tolist(), self._ctx[lo:hi].tolist(), self._computed[lo:hi].tolist()))
+            lo = hi
+        return out
 
 
 def roofline(cfg, steps, bandwidth: float, flops: float, dtype_bytes: int = 2) -> dict:
@@ -165,6 +186,8 @@ def main():
     ap.add_argument("--repeat", type=int, default=1,
                     help="timed runs, the later ones on other prompt tokens (the first is the reported figure)")
     ap.add_argument("--json", help="write the figures to this file")
+    ap.add_argument("--steps-json", metavar="FILE",
+                    help="write every step of the timed run to FILE: decode rows, tokens, wall and ideal ms")
     ap.add_argument("--no-split-k", action="store_true", help="o/down projections on cuBLAS instead of split-K (A/B of split-K)")
     ap.add_argument("--host-stages", action="store_true",
                     help="time the host stages of every step of the timed run (scripts/host_timing.py's timers) "
@@ -291,6 +314,11 @@ def main():
     }
     if args.sampler_ab:
         result["sampler_ab_s"] = ab
+    if args.steps_json:
+        walls = step_walls(times, start + elapsed)
+        with open(args.steps_json, "w") as f:
+            json.dump([{"decode_rows": nd, "tokens": sum(new), "wall_ms": 1e3 * w, "ideal_ms": 1e3 * ideal}
+                       for (nd, new, _, _), w, ideal in zip(steps, walls, roof["step_ideal_s"])], f)
     print(f"Total: {out_tokens} tok, Time: {elapsed:.2f}s, Throughput: {throughput:,.0f} tok/s")
     print(f"Roofline (measured {bandwidth / 1e12:.2f} TB/s, {flops / 1e12:.0f} TFLOP/s, {roof['steps']} steps): "
           f"ideal {roof['ideal_time_s']:.2f}s = {ideal_tput:,.0f} tok/s; achieved {throughput / ideal_tput:.1%}")

@@ -39,6 +39,9 @@ class LLM:
         remaining = {id(seq) for seqs in requests for seq in seqs}
         seqs_left_per_request = [len(seqs) for seqs in requests]
         request_of_seq = {id(seq): i for i, seqs in enumerate(requests) for seq in seqs}
+        # A request's output is built as soon as its last sequence finishes: on a GPU the host does it
+        # while the device runs the next steps, instead of for every request after the last step.
+        outputs: list[dict | None] = [None] * len(requests)
         bar = tqdm(total=len(prompts), desc="Generating", dynamic_ncols=True, disable=not use_tqdm)
         try:
             while remaining:
@@ -54,6 +57,7 @@ class LLM:
                     r = request_of_seq[id(seq)]
                     seqs_left_per_request[r] -= 1
                     if seqs_left_per_request[r] == 0:
+                        outputs[r] = self._request_output(requests[r])
                         bar.update(1)
         except BaseException:
             for seqs in requests:
@@ -61,7 +65,7 @@ class LLM:
             raise
         finally:
             bar.close()
-        return [self._request_output(seqs) for seqs in requests]
+        return outputs
 
     def chat(self, messages, sampling_params=None, use_tqdm: bool = True, **template_kwargs) -> list[dict]:
         """One conversation (a list of {"role", "content"} dicts) or a list of them."""

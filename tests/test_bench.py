@@ -28,9 +28,12 @@ def _bench(tmp_path, *args, env=None):
 
 
 def test_bench_runs_and_reports_host_stages(tmp_path):
-    out = tmp_path / "result.json"
-    proc = _bench(tmp_path, "--host-stages", "--repeat", "2", "--json", str(out))
+    out, steps_out = tmp_path / "result.json", tmp_path / "steps.json"
+    proc = _bench(tmp_path, "--host-stages", "--repeat", "2", "--json", str(out), "--steps-json", str(steps_out))
     result = json.loads(out.read_text())
+    steps = json.loads(steps_out.read_text())  # the timed run's steps, in order
+    assert len(steps) == result["steps"] and steps[0]["tokens"] > steps[0]["decode_rows"] == 0
+    assert steps[-1]["tokens"] == steps[-1]["decode_rows"] >= 1 and all(s["wall_ms"] > 0 for s in steps)
     assert result["prompts"] == 5 and result["output_tokens"] >= 5 * 100 and result["throughput_tok_s"] > 0
     assert result["steps"] > 100 and sum(row["count"] for row in result["breakdown"]) == result["steps"]
     lines = proc.stdout.splitlines()
