@@ -4,6 +4,7 @@ import json
 import os
 import subprocess
 import sys
+from types import SimpleNamespace
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -69,3 +70,19 @@ def test_bench_clock_trace(tmp_path):
     assert all("1980 / 1980 / 1980 MHz" in line and "650 W" in line for line in summary)
     env["PATH"] = str(tmp_path / "empty")
     assert "clock trace: no nvidia-smi" in _bench(tmp_path, "--clock-trace", env=env).stdout
+
+
+def test_schedule_recorder_records_every_scheduled_step():
+    """The recorder's flat arrays give back each step's rows: decode rows, new tokens, context and
+    computed tokens per sequence (steps where nothing was scheduled are not steps)."""
+    sys.path.insert(0, ROOT)
+    from bench import ScheduleRecorder
+    seqs = [SimpleNamespace(num_computed_tokens=c) for c in (5, 0, 100)]
+    batches = iter([SimpleNamespace(num_decodes=1, num_new_tokens=[1, 7, 30], seqs=seqs), None,
+                    SimpleNamespace(num_decodes=2, num_new_tokens=[1, 1], seqs=seqs[:2])])
+    scheduler = SimpleNamespace(schedule=lambda: next(batches))
+    recorder = ScheduleRecorder(scheduler)
+    for _ in range(3):
+        scheduler.schedule()
+    assert recorder.steps == [(1, [1, 7, 30], [6, 7, 130], [5, 0, 100]), (2, [1, 1], [6, 1], [5, 0])]
+    assert len(recorder.times) == 2
