@@ -266,7 +266,7 @@ def main():
         print("allocator in the timed run: " + ", ".join(
             f"{key} +{after.get(key, 0) - before.get(key, 0)}"
             for key in ("num_device_alloc", "num_device_free", "num_alloc_retries")))
-    steps, times = list(recorder.steps), list(recorder.times)
+    steps, times = recorder.steps, list(recorder.times)  # steps: a fresh list already
     for i in range(1, args.repeat):
         # Other prompt tokens of the same lengths: the same prompts would hit the prefix cache.
         first_step = len(recorder.times)
