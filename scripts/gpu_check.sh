@@ -14,7 +14,8 @@
 # the balanced attention at 100/132/264 programs), replay (engine step against its CUDA graphs replayed back to back),
 # barrier (dependent projections as kernels vs one persistent kernel with grid barriers), prefilltiles (prefill
 # attention tiles, K/V by pointers and through TMA), lmhead (the LM head and the sampling draw in one kernel vs cuBLAS +
-# the sampling pass).
+# the sampling pass), green (decode attention and the other half-batch's GEMMs on disjoint SMs through CUDA green
+# contexts).
 set -o pipefail
 OUTDIR=${1:-${OUT:-/tmp/nanovllm-gpu}}
 mkdir -p "$OUTDIR"
@@ -55,6 +56,7 @@ for stage in $STAGES; do
              run barrier64 python3 scripts/bench_grid_barrier.py --rows 64 ;;
     prefilltiles) run prefilltiles python3 scripts/tune_prefill.py ;;
     lmhead)  run lmhead python3 scripts/bench_lm_head_sample.py ;;
+    green)   run green python3 scripts/bench_green_overlap.py --batch 256 128 --gemm-sms 24 32 40 48 ;;
     single)  run single python3 bench.py --single --json "$OUTDIR/bench_single.json" ;;
     bench8b) run bench8b python3 bench.py --config benchmarks/configs/qwen3-8b.json --json "$OUTDIR/bench_qwen3_8b.json" ;;
     *) echo "unknown stage $stage"; status=1 ;;
