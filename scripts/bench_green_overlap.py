@@ -28,8 +28,7 @@ import random
 
 import torch
 
-from steady_decode import end_decode_batch, random_weight_llm, start_decode_batch  # (puts the repo on sys.path)
-from nanovllm.attention.base import AttentionMetadata
+from steady_decode import decode_slices, end_decode_batch, random_weight_llm, start_decode_batch  # (puts the repo on sys.path)
 from nanovllm.layers.rotary import norm_args
 
 _cu = ctypes.CDLL("libcuda.so.1")
@@ -113,7 +112,7 @@ def main():
     llm = random_weight_llm()
     engine = llm.engine
     runner = engine.model_runner
-    gr, model, backend = runner.graph_runner, runner.model, runner.backend
+    gr, model = runner.graph_runner, runner.model
     layers = model.model.layers
     partitions = {}
     for g in args.gemm_sms:
@@ -129,22 +128,10 @@ def main():
         for _ in range(20):
             engine.step()
         torch.cuda.synchronize()
-        s = gr.static
         bs, h = batch, batch // 2
+        pos, meta = decode_slices(gr, bs)
         ids = torch.randint(0, 10000, (bs,), dtype=torch.int64, device="cuda")
-        pos, lens = s["positions"][:bs].clone(), s["seq_lens"][:bs].clone()
-        slots, tables = s["slot_mapping"][:bs].clone(), s["block_tables"][:bs].clone()
         logits = gr.logits
-        qsl = gr.query_start_loc
-
-        def meta(lo, hi):
-            n = hi - lo
-            order = torch.argsort(lens[lo:hi], descending=True).to(torch.int32)
-            return AttentionMetadata(num_seqs=n, num_decodes=n, slot_mapping=slots[lo:hi],
-                                     query_start_loc=qsl[:n + 1], seq_lens=lens[lo:hi], block_tables=tables[lo:hi],
-                                     max_query_len=1, max_seq_len=gr.max_model_len,
-                                     max_seq_len_bound=gr.max_model_len, decode_order=order)
-
         halves = [(0, h, meta(0, h)), (h, bs, meta(h, bs))]
         m_all = meta(0, bs)
 

@@ -21,9 +21,8 @@ import random
 
 import torch
 
-from steady_decode import end_decode_batch, random_weight_llm, start_decode_batch  # (puts the repo on sys.path)
+from steady_decode import decode_slices, end_decode_batch, random_weight_llm, start_decode_batch  # (puts the repo on sys.path)
 from nanovllm.kernels.paged_decode_balanced import alloc_balanced_workspace
-from nanovllm.attention.base import AttentionMetadata
 
 _cu = ctypes.CDLL("libcuda.so.1")
 _NODE_PRIORITY_FLAG = 8      # CUDA_GRAPH_INSTANTIATE_FLAG_USE_NODE_PRIORITY
@@ -101,19 +100,16 @@ def main():
         for _ in range(20):
             engine.step()
         torch.cuda.synchronize()
-        s = gr.static
         bs, h = batch, batch // 2
+        pos, meta = decode_slices(gr, bs)
         ids = torch.ones(bs, dtype=torch.int64, device="cuda")
-        pos, lens = s["positions"][:bs].clone(), s["seq_lens"][:bs].clone()
-        slots, tables = s["slot_mapping"][:bs].clone(), s["block_tables"][:bs].clone()
         logits = gr.logits
-        qsl = gr.query_start_loc
         ws_main = backend.workspace
         ws_side = tuple(torch.empty_like(t) for t in ws_main)
         attn = model.model.layers[0].self_attn
         hq, hkv, head_dim = attn.num_heads, attn.num_kv_heads, attn.head_dim
-        bal_ws = {p: (alloc_balanced_workspace(p, hq, hkv, head_dim, tables.device),
-                      alloc_balanced_workspace(p, hq, hkv, head_dim, tables.device))
+        bal_ws = {p: (alloc_balanced_workspace(p, hq, hkv, head_dim, ids.device),
+                      alloc_balanced_workspace(p, hq, hkv, head_dim, ids.device))
                   for p in (int(v) for v in args.balanced.split(",") if v)}
         plain = (backend.balanced, backend.balanced_max_batch)
 
@@ -123,14 +119,6 @@ def main():
             else:
                 backend.balanced = (p, bal_ws[p][1 if side_stream else 0])
                 backend.balanced_max_batch = 1 << 30
-
-        def meta(lo, hi):
-            n = hi - lo
-            order = torch.argsort(lens[lo:hi], descending=True).to(torch.int32)
-            return AttentionMetadata(num_seqs=n, num_decodes=n, slot_mapping=slots[lo:hi],
-                                     query_start_loc=qsl[:n + 1], seq_lens=lens[lo:hi], block_tables=tables[lo:hi],
-                                     max_query_len=1, max_seq_len=gr.max_model_len,
-                                     max_seq_len_bound=gr.max_model_len, decode_order=order)
 
         m_all, m_a, m_b = meta(0, bs), meta(0, h), meta(h, bs)
 

@@ -28,6 +28,25 @@ def start_decode_batch(engine, batch: int, rng: random.Random, temperature: floa
         engine.step()
 
 
+def decode_slices(graph_runner, batch: int):
+    """The steady batch's inputs as its decode graph last read them: (positions, meta), where
+    meta(lo, hi) is the AttentionMetadata of rows lo..hi (the inputs copied: later steps leave them be)."""
+    import torch
+    from nanovllm.attention.base import AttentionMetadata
+    s = graph_runner.static
+    pos, lens = s["positions"][:batch].clone(), s["seq_lens"][:batch].clone()
+    slots, tables = s["slot_mapping"][:batch].clone(), s["block_tables"][:batch].clone()
+    qsl, bound = graph_runner.query_start_loc, graph_runner.max_model_len
+
+    def meta(lo: int, hi: int) -> AttentionMetadata:
+        n = hi - lo
+        order = torch.argsort(lens[lo:hi], descending=True).to(torch.int32)
+        return AttentionMetadata(num_seqs=n, num_decodes=n, slot_mapping=slots[lo:hi], query_start_loc=qsl[:n + 1],
+                                 seq_lens=lens[lo:hi], block_tables=tables[lo:hi], max_query_len=1, max_seq_len=bound,
+                                 max_seq_len_bound=bound, decode_order=order)
+    return pos, meta
+
+
 def end_decode_batch(engine, batch: int):
     for i in range(batch):
         engine.abort_request(f"{batch}-{i}")

@@ -31,6 +31,9 @@ class AttentionMetadata:
     # [num_decodes] int32: the decode rows by descending context length, so that kernels can
     # start the longest first (a permutation; any order gives the same result).
     decode_order: torch.Tensor | None = None
+    # [num_tokens, Hq, D]: where the model's rotary kernels write q, so that attention between two
+    # piecewise CUDA graphs (worker/piecewise_graph.py) finds it at a fixed address. None: fresh memory.
+    q_out: torch.Tensor | None = None
 
     @property
     def num_decode_tokens(self) -> int:
@@ -47,14 +50,18 @@ class AttentionBackend(ABC):
 
     def forward(self, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None,
                 k_cache: torch.Tensor, v_cache: torch.Tensor,
-                meta: AttentionMetadata, scale: float, kv_stored: bool = False) -> torch.Tensor:
+                meta: AttentionMetadata, scale: float, kv_stored: bool = False,
+                out: torch.Tensor | None = None) -> torch.Tensor:
         """q: [T, Hq, D], k/v: [T, Hkv, D] for the new tokens; caches: [num_blocks, block_size,
         Hkv, D]. Stores k/v at meta.slot_mapping (unless kv_stored: they are there already, and
         k/v may be None), then attends each new token to its sequence's context: the decode rows
-        (first in the batch) with `decode`, the rest with `prefill`. Returns [T, Hq, D]."""
+        (first in the batch) with `decode`, the rest with `prefill`. Returns [T, Hq, D], written
+        into `out` when given (q's shape and dtype)."""
         if not kv_stored:
             self.store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
-        out = torch.empty_like(q)
+        if out is None:
+            out = torch.empty_like(q)
+        assert out.shape == q.shape and out.dtype == q.dtype, (out.shape, q.shape)
         nd = meta.num_decodes
         if nd:
             self.decode(q[:nd], k_cache, v_cache, meta, scale, out[:nd])

@@ -95,11 +95,12 @@ def qkv_rope_store_kv(x: torch.Tensor, weight: torch.Tensor, num_q_heads: int, n
                       positions: torch.Tensor, cos_sin_cache: torch.Tensor, k_cache: torch.Tensor,
                       v_cache: torch.Tensor, slot_mapping: torch.Tensor, q_weight: torch.Tensor | None = None,
                       k_weight: torch.Tensor | None = None, eps: float = 1e-6,
-                      config: QkvRopeConfig | None = None) -> torch.Tensor | None:
+                      config: QkvRopeConfig | None = None, q_out: torch.Tensor | None = None) -> torch.Tensor | None:
     """``qk_norm_rope_store_kv(*split(x @ weight^T))`` in one launch: returns q ``[M, Hq, D]``
     (normed with q_weight when given, rotated) and writes k (normed, rotated) and v into the caches
     ``[num_blocks, block_size, Hkv, D]`` at ``slot_mapping`` (slots < 0 skipped). weight: the fused
-    ``[(Hq + 2 Hkv) D, K]`` projection. None (nothing done) where no configuration applies."""
+    ``[(Hq + 2 Hkv) D, K]`` projection; q_out: q's buffer, else fresh memory. None (nothing done) where
+    no configuration applies."""
     m, k = x.shape
     head_dim = k_cache.shape[-1]
     config = config or qkv_rope_config(m, k, head_dim)
@@ -109,7 +110,11 @@ def qkv_rope_store_kv(x: torch.Tensor, weight: torch.Tensor, num_q_heads: int, n
     assert k_cache.stride() == v_cache.stride() and k_cache.stride(-1) == 1 and cos_sin_cache.stride(-1) == 1
     has_norm = q_weight is not None
     out_dtype = torch.promote_types(x.dtype, q_weight.dtype) if has_norm else x.dtype
-    q = torch.empty(m, num_q_heads, head_dim, dtype=out_dtype, device=x.device)
+    if q_out is None:
+        q = torch.empty(m, num_q_heads, head_dim, dtype=out_dtype, device=x.device)
+    else:
+        q = q_out
+        assert q.shape == (m, num_q_heads, head_dim) and q.dtype == out_dtype and q.stride(-1) == 1, (q.shape, q.dtype)
     if not has_norm:  # HAS_NORM=False never reads them; any valid pointer
         q_weight = k_weight = cos_sin_cache
     bm, bk, warps, stages = config

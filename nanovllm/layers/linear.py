@@ -110,15 +110,17 @@ class QKVParallelLinear(ColumnParallelLinear):
         LinearBase.__init__(self, hidden_size, out, bias, 0)
 
     def rope_store_kv(self, x: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor,
-                      kv_cache: tuple, q_weight=None, k_weight=None, eps: float = 1e-6) -> torch.Tensor | None:
+                      kv_cache: tuple, q_weight=None, k_weight=None, eps: float = 1e-6,
+                      q_out: torch.Tensor | None = None) -> torch.Tensor | None:
         """The projection, the q/k norms (Qwen3), the rotation and the K/V store in one kernel for
         the decode batches our GEMM serves (kernels/qkv_rope.py): returns q [T, Hq, D] with k and v
-        in kv_cache = (k_cache, v_cache, slot_mapping); None (nothing done) elsewhere."""
+        in kv_cache = (k_cache, v_cache, slot_mapping), q into q_out when given; None (nothing done)
+        elsewhere."""
         if not _gemm_kernel_applies(x, self.bias):
             return None
         from nanovllm.kernels.qkv_rope import qkv_rope_store_kv
         return qkv_rope_store_kv(x, self.weight, self.num_heads, self.num_kv_heads, positions, cos_sin_cache,
-                                 *kv_cache, q_weight, k_weight, eps)
+                                 *kv_cache, q_weight, k_weight, eps, q_out=q_out)
 
     def weight_loader(self, param, loaded, shard_id: str):
         d = self.head_dim

@@ -41,10 +41,10 @@ class DecoderAttention(nn.Module):
             # Decode batches: one kernel from x to q and the cached k/v; else the rotary kernel
             # writes k and v into the paged cache itself (a launch less per layer either way).
             q = self.qkv_proj.rope_store_kv(x, positions, self.rotary_emb.cos_sin_cache, kv_cache,
-                                            *norm_args(*norms))
+                                            *norm_args(*norms), q_out=meta.q_out)
             if q is None:
                 q, k, v = self._qkv_heads(x)
-                q = self.rotary_emb.forward_store_kv(positions, q, k, v, kv_cache, *norms)
+                q = self.rotary_emb.forward_store_kv(positions, q, k, v, kv_cache, *norms, q_out=meta.q_out)
             o = self.attn(q, None, None, meta, kv_stored=True)
         else:
             q, k, v = self._qkv_heads(x)

@@ -91,6 +91,7 @@ class ModelRunner:
         self._last_sampled: torch.Tensor | None = None
         self._last_row_of_seq: dict[int, int] = {}
         self.graph_runner = None
+        self.piecewise = None
         self.stage = HostToDevice(self.device)
         # Block ids are shared by all tensor-parallel ranks: every rank holds as many as the smallest.
         self.num_blocks = min_over_ranks(self._num_kv_blocks())
@@ -105,6 +106,13 @@ class ModelRunner:
                                                 config.max_model_len, capture_sampler=config.tensor_parallel_size == 1)
             self.graph_runner.capture()
             self._token_ring = PinnedTokenRing(config.max_num_seqs)
+            from nanovllm.worker import piecewise_graph
+            # One rank only for now: the pieces would hold the all-reduces of a tensor-parallel group.
+            if piecewise_graph.ENABLED and config.tensor_parallel_size == 1:
+                self.piecewise = piecewise_graph.PiecewiseGraphs(self.model, config.max_num_batched_tokens,
+                                                                 self.num_q_heads, self.head_dim, config.torch_dtype,
+                                                                 self.device)
+                self.piecewise.capture()
         if self.device.type == "cuda":
             # The KV sizing and the graph capture empty the allocator's cache; the largest step takes
             # its activations back now, so the first long prefill of a run does not cudaMalloc them.
@@ -220,7 +228,10 @@ class ModelRunner:
         if self.graph_runner is not None and self.graph_runner.can_run(fb.attn.num_seqs, fb.attn.num_decodes):
             logits = self.graph_runner.run(fb.input_ids, fb.positions, fb.attn)  # every decode row samples
         else:
-            hidden = self.model(fb.input_ids, fb.positions, fb.attn)
+            if self.piecewise is not None and self.piecewise.can_run(fb.input_ids.shape[0]):
+                hidden = self.piecewise.forward(fb.input_ids, fb.positions, fb.attn)
+            else:
+                hidden = self.model(fb.input_ids, fb.positions, fb.attn)
             if not fb.sample_rows:
                 return StepOutput([], None)
             logits = self.model.compute_logits(hidden[fb.logits_indices])
@@ -264,7 +275,7 @@ class ModelRunner:
         """Release the device memory this runner holds (the model, the cache, the graphs)."""
         for attn in self.model.attention_layers:
             attn.k_cache = attn.v_cache = torch.tensor([])
-        self.graph_runner = self.kv_cache = self._last_sampled = None
+        self.graph_runner = self.piecewise = self.kv_cache = self._last_sampled = None
         self.model = None
         if self.device.type == "cuda":
             torch.cuda.empty_cache()

@@ -60,6 +60,7 @@ def test_greedy_matches_hf_fp32(arch, enforce_eager, model_factory, hf_reference
         assert llm.engine.model_runner.backend.name == "triton"
         assert llm.engine.model_runner.backend.fuses_kv_store  # k/v reach the cache via the rope kernel
         assert (llm.engine.model_runner.graph_runner is None) == enforce_eager
+        assert (llm.engine.model_runner.piecewise is None) == enforce_eager
         prompts = _prompts(1)
         outs = _greedy(llm, prompts)
     for p, ours in zip(prompts, outs):
@@ -89,6 +90,30 @@ def test_cuda_graphs_identical_to_eager_fp32(model_factory):
     with LLM(model_factory("llama"), enforce_eager=True, **kwargs) as llm:
         eager = _greedy(llm, prompts, 40)
     assert graphs == eager
+
+
+def test_piecewise_graphs_chunks_and_mixed_steps_fp32(model_factory, hf_reference, monkeypatch):
+    """Prefill chunks and mixed steps (decode rows riding along) through the piecewise graphs,
+    padded up to a captured token count, generate HF's tokens; the same run with the piecewise
+    graphs off gives the same tokens."""
+    from nanovllm.worker import piecewise_graph
+    kwargs = dict(dtype="float32", max_model_len=1024, max_num_batched_tokens=300, max_num_seqs=64,
+                  gpu_memory_utilization=0.3)
+    prompts = _prompts(7)  # 1 .. 700 tokens: chunks of up to 300
+    with LLM(model_factory("llama"), **kwargs) as llm:
+        graphs = llm.engine.model_runner.piecewise
+        assert graphs.buckets == [16, 32, 64, 128, 256, 300]
+        sizes = []
+        forward = graphs.forward
+        graphs.forward = lambda ids, pos, meta: (sizes.append(ids.shape[0]), forward(ids, pos, meta))[1]
+        outs = _greedy(llm, prompts)
+    for p, ours in zip(prompts, outs):
+        assert_greedy_match(ours, *hf_reference("llama").greedy(p, 24), "piecewise")
+    assert max(sizes) == 300 and any(n not in graphs.buckets for n in sizes)  # full and padded steps ran
+    monkeypatch.setattr(piecewise_graph, "ENABLED", False)
+    with LLM(model_factory("llama"), **kwargs) as llm:
+        assert llm.engine.model_runner.piecewise is None
+        assert _greedy(llm, prompts) == outs
 
 
 def test_cuda_graph_sampling_identical_to_eager_fp32(model_factory):

@@ -98,3 +98,41 @@ def test_balanced_schedule_up_to_its_batch_size(max_batch, expect, device, monke
     backend.decode(torch.zeros(3, 4, 64, device=device), torch.zeros(2, 16, 2, 64, device=device),
                    torch.zeros(2, 16, 2, 64, device=device), meta, 0.125, torch.empty(3, 4, 64, device=device))
     assert ran == [expect]
+
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "llama"])
+def test_static_q_and_output_buffers_as_the_piecewise_graphs_use_them(arch, device, gen):
+    """worker/piecewise_graph.py's contract with the layer: with meta.q_out the rotary kernel writes q
+    there while the splitter stands in for attention (as in a capture), and attention run afterwards
+    on that buffer with `out=` (as at replay) leaves there what the plain layer computes."""
+    from dataclasses import replace
+    from nanovllm.worker.piecewise_graph import _GraphSplitter
+    config = ARCHS[arch]()
+    layer = DecoderAttention(config, qkv_bias=False, o_bias=False, qk_norm=arch == "qwen3")
+    for name, p in layer.named_parameters():
+        noise = torch.randn(p.shape, generator=gen)
+        p.data = 1.0 + 0.5 * noise if "norm" in name else 0.2 * noise
+    layer.to(device)
+    meta, positions = _meta(device, gen)
+    t = sum(QUERY_LENS)
+    x = torch.randn(t, config.hidden_size, generator=gen).to(device)
+    kv = torch.randn(2, NUM_BLOCKS, BLOCK_SIZE, layer.num_kv_heads, layer.head_dim, generator=gen).to(device)
+    backend = TritonAttentionBackend()
+    backend.setup(4, layer.num_heads, layer.num_kv_heads, layer.head_dim, 64, device)
+
+    expect_cache = kv.clone()
+    layer.attn.backend, layer.attn.k_cache, layer.attn.v_cache = backend, expect_cache[0], expect_cache[1]
+    expect = layer(positions, x, meta)
+
+    q_buf = torch.full((t + 3, layer.num_heads, layer.head_dim), float("nan"), device=device)
+    out_buf = torch.full_like(q_buf, float("nan"))
+    got_cache = kv.clone()
+    layer.attn.backend = _GraphSplitter(out_buf, pool=None)
+    layer.attn.k_cache, layer.attn.v_cache = got_cache[0], got_cache[1]
+    layer(positions, x, replace(meta, q_out=q_buf[:t]))  # the pieces' part: q and the cache
+    assert not q_buf[:t].isnan().any() and q_buf[t:].isnan().all()
+    assert torch.equal(got_cache, expect_cache)
+    backend.forward(q_buf[:t], None, None, got_cache[0], got_cache[1], meta, layer.attn.scale, kv_stored=True,
+                    out=out_buf[:t])  # the eager attention between two pieces
+    torch.testing.assert_close(layer.o_proj(out_buf[:t].flatten(-2)), expect, rtol=0, atol=0)

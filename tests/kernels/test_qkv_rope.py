@@ -46,6 +46,12 @@ def test_fused_equals_gemm_then_rotary_kernel(m, hq, hkv, d, bm, has_norm, dtype
     assert got_q.shape == (m, hq, d) and got_q.dtype == expect_q.dtype
     torch.testing.assert_close(got_q, expect_q, atol=0, rtol=0)
     torch.testing.assert_close(got_cache, expect_cache, atol=0, rtol=0)
+    # Into a given buffer (the piecewise CUDA graphs' static q): the same q there, nothing past it.
+    buf = torch.full((m + 2, hq, d), float("nan"), dtype=expect_q.dtype, device=device)
+    out = qkv_rope_store_kv(x, w, hq, hkv, positions, rope.cos_sin_cache, got_cache[0], got_cache[1], slots,
+                            *norms, config=QkvRopeConfig(bm), q_out=buf[:m])
+    assert out.data_ptr() == buf.data_ptr() and buf[m:].isnan().all()
+    torch.testing.assert_close(buf[:m], expect_q, atol=0, rtol=0)
 
 
 def test_config_table():
