@@ -75,6 +75,9 @@ class _GraphSplitter:
 
 
 class PiecewiseGraphs:
+    """The pieces of every captured token count, their static buffers and one memory pool; `forward`
+    stands in for the model's forward on the eager steps of one GPU."""
+
     def __init__(self, model, max_tokens: int, num_q_heads: int, head_dim: int, dtype: torch.dtype,
                  device: torch.device):
         self.model = model
