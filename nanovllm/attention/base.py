@@ -61,7 +61,8 @@ class AttentionBackend(ABC):
             self.store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         if out is None:
             out = torch.empty_like(q)
-        assert out.shape == q.shape and out.dtype == q.dtype, (out.shape, q.shape)
+        else:
+            assert out.shape == q.shape and out.dtype == q.dtype, (out.shape, q.shape)
         nd = meta.num_decodes
         if nd:
             self.decode(q[:nd], k_cache, v_cache, meta, scale, out[:nd])
