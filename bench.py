@@ -299,7 +299,9 @@ def main():
     assert out_tokens == sum(p.max_tokens for p in params)
     throughput = out_tokens / elapsed
     dtype_bytes = torch.tensor([], dtype=llm.config.torch_dtype).element_size()
-    roof = roofline(cfg, steps, bandwidth, flops, dtype_bytes)
+    # Tensor parallelism: each rank moves and computes its shard, so the ideal is the ranks' sum.
+    tp = args.tensor_parallel_size
+    roof = roofline(cfg, steps, bandwidth * tp, flops * tp, dtype_bytes)
     ideal_tput = out_tokens / roof["ideal_time_s"]
     result = {
         "mode": "single" if args.single else "throughput", "model": args.model or os.path.basename(args.config),
@@ -320,7 +322,8 @@ def main():
             json.dump([{"decode_rows": nd, "tokens": sum(new), "wall_ms": 1e3 * w, "ideal_ms": 1e3 * ideal}
                        for (nd, new, _, _), w, ideal in zip(steps, walls, roof["step_ideal_s"])], f)
     print(f"Total: {out_tokens} tok, Time: {elapsed:.2f}s, Throughput: {throughput:,.0f} tok/s")
-    print(f"Roofline (measured {bandwidth / 1e12:.2f} TB/s, {flops / 1e12:.0f} TFLOP/s, {roof['steps']} steps): "
+    print(f"Roofline (measured {bandwidth / 1e12:.2f} TB/s, {flops / 1e12:.0f} TFLOP/s" + (f" per GPU x {tp}" if tp > 1 else "")
+          + f", {roof['steps']} steps): "
           f"ideal {roof['ideal_time_s']:.2f}s = {ideal_tput:,.0f} tok/s; achieved {throughput / ideal_tput:.1%}")
     print(f"  before the first step {1e3 * (times[0] - start):.1f} ms; prefill/mixed step walls (ms): " + " ".join(
         f"{1e3 * w:.1f}" for w in prefill_walls(steps, step_walls(times, start + elapsed))))

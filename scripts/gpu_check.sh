@@ -15,7 +15,7 @@
 # barrier (dependent projections as kernels vs one persistent kernel with grid barriers), prefilltiles (prefill
 # attention tiles, K/V by pointers and through TMA), lmhead (the LM head and the sampling draw in one kernel vs cuBLAS +
 # the sampling pass), green (decode attention and the other half-batch's GEMMs on disjoint SMs through CUDA green
-# contexts).
+# contexts), and on a two-GPU machine tp (the tensor-parallel GPU tests) and bench8btp (Qwen3-8B over two GPUs).
 set -o pipefail
 OUTDIR=${1:-${OUT:-/tmp/nanovllm-gpu}}
 mkdir -p "$OUTDIR"
@@ -58,6 +58,8 @@ for stage in $STAGES; do
     lmhead)  run lmhead python3 scripts/bench_lm_head_sample.py ;;
     green)   run green python3 scripts/bench_green_overlap.py --batch 256 128 --gemm-sms 24 32 40 48 ;;
     single)  run single python3 bench.py --single --json "$OUTDIR/bench_single.json" ;;
+    tp)      run tp python3 -m pytest tests/gpu/test_tensor_parallel_gpu.py -q -p no:cacheprovider --durations=8 ;;
+    bench8btp) run bench8btp python3 bench.py --config benchmarks/configs/qwen3-8b.json -tp 2 --json "$OUTDIR/bench_qwen3_8b_tp2.json" ;;
     bench8b) run bench8b python3 bench.py --config benchmarks/configs/qwen3-8b.json --json "$OUTDIR/bench_qwen3_8b.json" ;;
     *) echo "unknown stage $stage"; status=1 ;;
   esac

@@ -128,6 +128,13 @@ class CUDAGraphRunner:
                 self.sample_graphs[bs] = self._capture(self._sample, bs)
         torch.cuda.synchronize()
 
+    def reset(self):
+        """Free every captured graph (see ModelRunner.release_graphs)."""
+        for graph in [*self.forward_graphs.values(), *self.sample_graphs.values()]:
+            graph.reset()
+        self.forward_graphs.clear()
+        self.sample_graphs.clear()
+
     def can_run(self, num_seqs: int, num_decodes: int) -> bool:
         return num_seqs == num_decodes and num_seqs <= self.max_bs and bool(self.forward_graphs)
 

@@ -271,8 +271,21 @@ class ModelRunner:
         self._remember_sampled(seqs, g.sampled)
         return self._token_ring.copy(seqs, g.sampled[:n])
 
+    def release_graphs(self):
+        """Free the captured CUDA graphs; eager steps remain possible. A tensor-parallel rank must
+        do this before it leaves the process group: NCCL cannot destroy a communicator whose
+        collectives a live graph still holds, and the call hangs (pytorch/pytorch#115388)."""
+        if self.graph_runner is None and self.piecewise is None:
+            return
+        torch.cuda.synchronize(self.device)
+        for graphs in (self.graph_runner, self.piecewise):
+            if graphs is not None:
+                graphs.reset()
+        self.graph_runner = self.piecewise = None
+
     def shutdown(self):
         """Release the device memory this runner holds (the model, the cache, the graphs)."""
+        self.release_graphs()
         for attn in self.model.attention_layers:
             attn.k_cache = attn.v_cache = torch.tensor([])
         self.graph_runner = self.piecewise = self.kv_cache = self._last_sampled = None

@@ -133,6 +133,13 @@ class PiecewiseGraphs:
         assert len(splitter.graphs) == len(self.attention_layers) + 1
         return splitter.graphs
 
+    def reset(self):
+        """Free every captured piece (see ModelRunner.release_graphs)."""
+        for pieces in self.pieces.values():
+            for graph in pieces:
+                graph.reset()
+        self.pieces.clear()
+
     def can_run(self, num_tokens: int) -> bool:
         return bool(self.pieces) and 0 < num_tokens <= self.max_tokens
 

@@ -54,6 +54,7 @@ class _Group:
         self.conns: list = []
         self.in_process_group = False  # rank 0 joined the torch.distributed group
         self.saved_threads: int | None = None  # rank 0's torch thread count before we took a share
+        self.release_graphs = None  # rank 0's ModelRunner.release_graphs, once it exists
         self.torn_down = False
 
 
@@ -114,6 +115,7 @@ class TensorParallelExecutor:
         self._group.in_process_group = True
         with self._abort_nccl_if_a_worker_dies():
             self.runner = ModelRunner(config, 0, eos_token_ids)  # agrees on num_blocks with the workers
+            self._group.release_graphs = self.runner.release_graphs
             blocks = self._expect("ready")
         if any(b != self.runner.num_blocks for b in blocks):
             raise RuntimeError(f"ranks disagree on the number of KV-cache blocks: {[self.runner.num_blocks, *blocks]}")
@@ -304,7 +306,15 @@ def _teardown(group: _Group, graceful: bool = True, abort: bool = False):
     if group.torn_down:  # e.g. at exit, then again from LLM.__del__
         return
     group.torn_down = True
+    release_graphs, group.release_graphs = group.release_graphs, None
     if graceful:
+        # Every rank frees its CUDA graphs before leaving the group (ModelRunner.release_graphs
+        # says why); rank 0 first, so that no worker's exit waits on it.
+        if release_graphs is not None and not abort:
+            try:
+                release_graphs()
+            except Exception:  # a device error: leave the group without waiting on it
+                abort = True
         for conn in group.conns:
             try:
                 conn.send_bytes(STOP)

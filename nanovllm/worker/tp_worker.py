@@ -50,6 +50,7 @@ def worker_main(rank: int, config, port: int, timeout_s: float, conn):
             if msg == STOP:
                 break
             runner.run(pickle.loads(msg), None)
+        runner.release_graphs()  # before the group: see ModelRunner.release_graphs
         distributed.destroy_process_group()
         # Skip the interpreter's teardown of torch & co (a second or more): nothing else to save.
         sys.stdout.flush()

@@ -1,55 +1,16 @@
 """The engine on a CUDA GPU: Triton backend, CUDA graphs and overlapped steps against HF and
 against the torch reference backend. Collected only where CUDA is available (see conftest)."""
 import os
-import random
 
 import pytest
 import torch
 
+from gpu_helpers import assert_bf16_agreement, greedy, greedy_topk, make_prompts
 from helpers import assert_greedy_match
 from nanovllm import LLM, SamplingParams
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 QWEN3_06B = os.path.join(HERE, "..", "..", "benchmarks", "configs", "qwen3-0.6b.json")
-
-
-def _prompts(seed, lengths=(1, 7, 30, 64, 129, 250, 400, 700)):
-    rng = random.Random(seed)
-    return [[rng.randrange(3, 500) for _ in range(n)] for n in lengths]
-
-
-def _greedy(llm, prompts, n=24):
-    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=n, ignore_eos=True), use_tqdm=False)
-    return [o["token_ids"] for o in outs]
-
-
-def _greedy_topk(llm, prompts, n, k=20):
-    """Greedy tokens and, per token, the k best (token id, logprob) of the reference."""
-    params = SamplingParams(temperature=0, max_tokens=n, ignore_eos=True, logprobs=k)
-    outs = llm.generate(prompts, params, use_tqdm=False)
-    return [(o["token_ids"], [{t["token_id"]: t["logprob"] for t in e["top_logprobs"]} for e in o["logprobs"]])
-            for o in outs]
-
-
-# bf16 paths round differently (accumulation order, fused vs separate ops): over 28 layers the
-# logits move by a few hundredths, so a reference logprob gap below this is a tie, not a bug.
-BF16_NEAR_TIE = 0.1
-
-
-def _assert_bf16_agreement(ours, reference, what):
-    """Token-equal to the reference until a divergence where our token was a near-tie of the
-    reference's (within BF16_NEAR_TIE of its logprob, by the reference's own logprobs); after that the
-    continuations are not comparable. (Random weights give flat distributions: the near-tie may be
-    the reference's third or fourth candidate, not only its runner-up.)"""
-    for i, (tokens, (ref_tokens, ref_topk)) in enumerate(zip(ours, reference)):
-        for j, (a, b) in enumerate(zip(tokens, ref_tokens)):
-            if a == b:
-                continue
-            top = ref_topk[j]
-            assert a in top and top[b] - top[a] < BF16_NEAR_TIE, (
-                f"{what}: prompt {i} token {j}: ours {a} ({top.get(a, 'not in the reference top-k')}), "
-                f"reference {b} ({top[b]:.4f})\nours {tokens}\nref  {ref_tokens}")
-            break
 
 
 @pytest.mark.parametrize("arch", ["qwen3", "qwen2", "llama"])
@@ -61,8 +22,8 @@ def test_greedy_matches_hf_fp32(arch, enforce_eager, model_factory, hf_reference
         assert llm.engine.model_runner.backend.fuses_kv_store  # k/v reach the cache via the rope kernel
         assert (llm.engine.model_runner.graph_runner is None) == enforce_eager
         assert (llm.engine.model_runner.piecewise is None) == enforce_eager
-        prompts = _prompts(1)
-        outs = _greedy(llm, prompts)
+        prompts = make_prompts(1)
+        outs = greedy(llm, prompts)
     for p, ours in zip(prompts, outs):
         assert_greedy_match(ours, *hf_reference(arch).greedy(p, 24), f"{arch} eager={enforce_eager}")
 
@@ -71,10 +32,10 @@ def test_prefix_chunked_preempted_overlapped_fp32(model_factory, hf_reference):
     llm = LLM(model_factory("qwen3"), dtype="float32", max_model_len=512, kvcache_block_size=16,
               num_kvcache_blocks=40, max_num_batched_tokens=200, max_num_seqs=64)
     assert llm.engine.overlap
-    shared = _prompts(2, lengths=(100,))[0]
-    prompts = [shared + p for p in _prompts(3, lengths=(5, 40, 90, 200, 300))]
+    shared = make_prompts(2, lengths=(100,))[0]
+    prompts = [shared + p for p in make_prompts(3, lengths=(5, 40, 90, 200, 300))]
     for rep in range(2):  # the second pass hits the prefix cache
-        for p, ours in zip(prompts, _greedy(llm, prompts)):
+        for p, ours in zip(prompts, greedy(llm, prompts)):
             assert_greedy_match(ours, *hf_reference("qwen3").greedy(p, 24), f"pass {rep}")
     assert llm.engine.scheduler.num_preemptions > 0 and llm.engine.block_manager.prefix_hits > 0
     bm = llm.engine.block_manager
@@ -84,11 +45,11 @@ def test_prefix_chunked_preempted_overlapped_fp32(model_factory, hf_reference):
 
 def test_cuda_graphs_identical_to_eager_fp32(model_factory):
     kwargs = dict(dtype="float32", max_model_len=1024, max_num_seqs=64, gpu_memory_utilization=0.3)
-    prompts = _prompts(4) * 3  # 24 sequences: padded up to a captured batch size
+    prompts = make_prompts(4) * 3  # 24 sequences: padded up to a captured batch size
     with LLM(model_factory("llama"), **kwargs) as llm:
-        graphs = _greedy(llm, prompts, 40)
+        graphs = greedy(llm, prompts, 40)
     with LLM(model_factory("llama"), enforce_eager=True, **kwargs) as llm:
-        eager = _greedy(llm, prompts, 40)
+        eager = greedy(llm, prompts, 40)
     assert graphs == eager
 
 
@@ -99,21 +60,21 @@ def test_piecewise_graphs_chunks_and_mixed_steps_fp32(model_factory, hf_referenc
     from nanovllm.worker import piecewise_graph
     kwargs = dict(dtype="float32", max_model_len=1024, max_num_batched_tokens=300, max_num_seqs=64,
                   gpu_memory_utilization=0.3)
-    prompts = _prompts(7)  # 1 .. 700 tokens: chunks of up to 300
+    prompts = make_prompts(7)  # 1 .. 700 tokens: chunks of up to 300
     with LLM(model_factory("llama"), **kwargs) as llm:
         graphs = llm.engine.model_runner.piecewise
         assert graphs.buckets == [16, 32, 64, 128, 256, 300]
         sizes = []
         forward = graphs.forward
         graphs.forward = lambda ids, pos, meta: (sizes.append(ids.shape[0]), forward(ids, pos, meta))[1]
-        outs = _greedy(llm, prompts)
+        outs = greedy(llm, prompts)
     for p, ours in zip(prompts, outs):
         assert_greedy_match(ours, *hf_reference("llama").greedy(p, 24), "piecewise")
     assert max(sizes) == 300 and any(n not in graphs.buckets for n in sizes)  # full and padded steps ran
     monkeypatch.setattr(piecewise_graph, "ENABLED", False)
     with LLM(model_factory("llama"), **kwargs) as llm:
         assert llm.engine.model_runner.piecewise is None
-        assert _greedy(llm, prompts) == outs
+        assert greedy(llm, prompts) == outs
 
 
 def test_cuda_graph_sampling_identical_to_eager_fp32(model_factory):
@@ -122,7 +83,7 @@ def test_cuda_graph_sampling_identical_to_eager_fp32(model_factory):
     with rows that need the eager sampler (top-k, logprobs, min_tokens, penalties) all give the
     tokens of the eager engine."""
     kwargs = dict(dtype="float32", max_model_len=1024, max_num_seqs=64, gpu_memory_utilization=0.3)
-    prompts = _prompts(6) * 2
+    prompts = make_prompts(6) * 2
     plain = [SamplingParams(temperature=0.8, seed=i, max_tokens=30, ignore_eos=True) for i in range(len(prompts))]
     mixed = list(plain)
     mixed[1] = SamplingParams(temperature=0.8, seed=1, top_k=20, max_tokens=30, ignore_eos=True)
@@ -143,12 +104,12 @@ def test_qwen3_06b_bf16_triton_agrees_with_torch_backend(tmp_path):
     shutil.copy(QWEN3_06B, tmp_path / "config.json")
     kwargs = dict(load_format="dummy", dtype="bfloat16", max_model_len=2048, max_num_seqs=16,
                   gpu_memory_utilization=0.3)
-    prompts = _prompts(5, lengths=(10, 100, 300, 1000))
+    prompts = make_prompts(5, lengths=(10, 100, 300, 1000))
     with LLM(str(tmp_path), **kwargs) as fast:
-        a = _greedy(fast, prompts, 8)
+        a = greedy(fast, prompts, 8)
     with LLM(str(tmp_path), attention_backend="torch", enforce_eager=True, **kwargs) as ref:
-        b = _greedy_topk(ref, prompts, 8)
-    _assert_bf16_agreement(a, b, "triton vs torch backend")
+        b = greedy_topk(ref, prompts, 8)
+    assert_bf16_agreement(a, b, "triton vs torch backend")
 
 
 @pytest.mark.parametrize("schedule", ["split", "balanced"])
@@ -162,13 +123,13 @@ def test_qwen3_06b_bf16_decode_schedules_agree_with_torch_backend(schedule, tmp_
     shutil.copy(QWEN3_06B, tmp_path / "config.json")
     kwargs = dict(load_format="dummy", dtype="bfloat16", max_model_len=2048, max_num_seqs=16,
                   gpu_memory_utilization=0.3)
-    prompts = _prompts(5, lengths=(10, 100, 300, 1000))
+    prompts = make_prompts(5, lengths=(10, 100, 300, 1000))
     with LLM(str(tmp_path), **kwargs) as fast:
         assert (fast.engine.model_runner.backend.balanced is not None) == (schedule == "balanced")
-        a = _greedy(fast, prompts, 8)
+        a = greedy(fast, prompts, 8)
     with LLM(str(tmp_path), attention_backend="torch", enforce_eager=True, **kwargs) as ref:
-        b = _greedy_topk(ref, prompts, 8)
-    _assert_bf16_agreement(a, b, f"{schedule} decode vs torch backend")
+        b = greedy_topk(ref, prompts, 8)
+    assert_bf16_agreement(a, b, f"{schedule} decode vs torch backend")
 
 
 def test_kv_cache_sized_from_gpu_memory_utilization(tmp_path):
@@ -195,7 +156,7 @@ def test_qwen3_06b_bf16_triton_projections_agree_with_cublas(tmp_path, monkeypat
     shutil.copy(QWEN3_06B, tmp_path / "config.json")
     kwargs = dict(load_format="dummy", dtype="bfloat16", max_model_len=2048, max_num_seqs=32,
                   gpu_memory_utilization=0.3)
-    prompts = [p for seed in range(6, 12) for p in _prompts(seed, lengths=(10, 100, 300, 1000))]
+    prompts = [p for seed in range(6, 12) for p in make_prompts(seed, lengths=(10, 100, 300, 1000))]
     used = {"splitk": [], "dense": [], "qkv_rope": []}
     splitk_config, dense_config, rope_config = gemm.splitk_config, gemm.dense_config, qkv_rope.qkv_rope_config
     monkeypatch.setattr(gemm, "splitk_config", lambda m, n, k: used["splitk"].append(m) or splitk_config(m, n, k))
@@ -204,11 +165,11 @@ def test_qwen3_06b_bf16_triton_projections_agree_with_cublas(tmp_path, monkeypat
     monkeypatch.setattr(qkv_rope, "qkv_rope_config",
                         lambda m, k, d: (used["qkv_rope"].append(m) if rope_config(m, k, d) else None) or rope_config(m, k, d))
     with LLM(str(tmp_path), **kwargs) as fast:
-        a = _greedy(fast, prompts, 8)
+        a = greedy(fast, prompts, 8)
     assert used["splitk"] and used["qkv_rope"]  # decode steps took our kernels (up to 16 rows: the test above)
     monkeypatch.setattr(gemm, "splitk_config", lambda m, n, k: None)
     monkeypatch.setattr(gemm, "dense_config", lambda m, n, k, gated=False: None)
     monkeypatch.setattr(qkv_rope, "qkv_rope_config", lambda m, k, d: None)
     with LLM(str(tmp_path), **kwargs) as ref:
-        b = _greedy_topk(ref, prompts, 8)
-    _assert_bf16_agreement(a, b, "our projections vs cuBLAS")
+        b = greedy_topk(ref, prompts, 8)
+    assert_bf16_agreement(a, b, "our projections vs cuBLAS")
