@@ -25,6 +25,13 @@ def all_reduce(x: torch.Tensor) -> torch.Tensor:
     return x
 
 
+def broadcast_from_rank0(x: torch.Tensor) -> torch.Tensor:
+    """In place: every rank's x becomes rank 0's (queued on the device like the all-reduces)."""
+    if _tp_size > 1:
+        dist.broadcast(x, src=0)
+    return x
+
+
 def all_gather_last_dim(x: torch.Tensor) -> torch.Tensor:
     """Concatenate each rank's shard of the last dimension (vocab-parallel logits)."""
     if _tp_size == 1:

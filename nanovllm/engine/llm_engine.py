@@ -39,7 +39,7 @@ class LLMEngine:
         self.scheduler = Scheduler(config.max_num_seqs, config.max_num_batched_tokens, self.block_manager,
                                    config.max_model_len)
         # On a GPU, step N+1 is launched before step N's tokens are read back.
-        self.overlap = config.device.type == "cuda" and config.tensor_parallel_size == 1
+        self.overlap = config.device.type == "cuda"
         self._in_flight = None
         self.output_processor = OutputProcessor(self.eos_token_ids, config.max_model_len, self.tokenizer)
         self.vocab_size = config.hf_config.vocab_size

@@ -7,7 +7,7 @@ import torch
 
 from nanovllm.attention.base import get_attention_backend
 from nanovllm.config import Config
-from nanovllm.distributed import min_over_ranks, set_tensor_parallel
+from nanovllm.distributed import broadcast_from_rank0, min_over_ranks, set_tensor_parallel, tp_rank, tp_size
 from nanovllm.engine.scheduler import ScheduledBatch
 from nanovllm.engine.sequence import Sequence
 from nanovllm.layers.sampler import LogprobsLists, Sampler, SamplerOutput
@@ -36,12 +36,15 @@ class StepOutput:
             if sampled.token_ids.is_cuda:
                 self._event = torch.cuda.Event()
                 self._event.record()
+        # How to wait for the event: a tensor-parallel executor watches its workers meanwhile.
+        self.wait_for = torch.cuda.Event.synchronize
 
     def token_ids(self) -> list[int]:
         if self._host is None:
             return []
         if self._event is not None:
-            self._event.synchronize()
+            self.wait_for(self._event)
+            self._event = None
         return self._host.token_ids.tolist()
 
     def logprobs(self) -> LogprobsLists | None:
@@ -90,6 +93,7 @@ class ModelRunner:
         # The last step's sampled tokens stay on the device: the next step reads its inputs there.
         self._last_sampled: torch.Tensor | None = None
         self._last_row_of_seq: dict[int, int] = {}
+        self._tp_sampled: torch.Tensor | None = None  # the ranks' copy of the last tokens (_pending_tokens)
         self.graph_runner = None
         self.piecewise = None
         self.stage = HostToDevice(self.device)
@@ -107,8 +111,8 @@ class ModelRunner:
             self.graph_runner.capture()
             self._token_ring = PinnedTokenRing(config.max_num_seqs)
             from nanovllm.worker import piecewise_graph
-            # One rank only for now: the pieces would hold the all-reduces of a tensor-parallel group.
-            if piecewise_graph.ENABLED and config.tensor_parallel_size == 1:
+            # With tensor parallelism the pieces hold the all-reduces, captured in the same order on every rank.
+            if piecewise_graph.ENABLED:
                 self.piecewise = piecewise_graph.PiecewiseGraphs(self.model, config.max_num_batched_tokens,
                                                                  self.num_q_heads, self.head_dim, config.torch_dtype,
                                                                  self.device)
@@ -224,7 +228,7 @@ class ModelRunner:
         workers other than rank 0 pass None: they only contribute to the forward)."""
         fb = to_device(host, self.stage, self.config.max_model_len)
         if fb.pending_dst is not None:
-            fb.input_ids[fb.pending_dst] = self._last_sampled[fb.pending_src]
+            fb.input_ids[fb.pending_dst] = self._pending_tokens()[fb.pending_src]
         if self.graph_runner is not None and self.graph_runner.can_run(fb.attn.num_seqs, fb.attn.num_decodes):
             logits = self.graph_runner.run(fb.input_ids, fb.positions, fb.attn)  # every decode row samples
         else:
@@ -238,6 +242,18 @@ class ModelRunner:
         if sample_seqs is None:
             return StepOutput([], None)
         return self._sample(sample_seqs, logits)
+
+    def _pending_tokens(self) -> torch.Tensor:
+        """The previous step's sampled tokens, which this step's pending inputs index. Only rank 0
+        samples: with tensor parallelism it sends them to the other ranks through the device, so
+        that no rank waits for the host to learn them."""
+        if tp_size() == 1:
+            return self._last_sampled
+        if self._tp_sampled is None:
+            self._tp_sampled = torch.zeros(self.config.max_num_seqs, dtype=torch.int64, device=self.device)
+        if tp_rank() == 0:
+            self._tp_sampled[:self._last_sampled.shape[0]].copy_(self._last_sampled)
+        return broadcast_from_rank0(self._tp_sampled)
 
     def _sample(self, seqs: list[Sequence], logits: torch.Tensor) -> StepOutput:
         """The eager sampler (any parameters) on this step's logits."""

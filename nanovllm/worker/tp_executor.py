@@ -4,15 +4,18 @@ KV cache.
 
 Each step rank 0 builds the step's `HostInputs` once, pickles those few numpy arrays once, and
 writes the bytes down one Pipe per worker; then every rank runs the forward, meeting in the
-all-reduces (gloo on the CPU, NCCL on CUDA). Only rank 0 samples. The engine sees the same
-interface as a `ModelRunner`: `num_blocks`, `execute(batch) -> StepOutput`, `shutdown()`.
+all-reduces (gloo on the CPU, NCCL on CUDA). Only rank 0 samples; a decode input that the
+previous step drew and the host has not read yet reaches the other ranks through a broadcast on
+the devices (`ModelRunner._pending_tokens`), so on a GPU steps overlap as they do on one device.
+The engine sees the same interface as a `ModelRunner`: `num_blocks`, `execute(batch) ->
+StepOutput` (returning at once), `shutdown()`.
 
 Failure handling, so that nothing hangs and nothing is left behind:
 - a worker that raises reports its traceback and exits at once; one that is killed just exits.
   Rank 0 checks liveness before each step and, while waiting, either gets an error from gloo
-  (the peer's socket closed) or, on CUDA, polls its step's completion together with the
-  workers' liveness and aborts NCCL when one died. Either way `execute` raises RuntimeError
-  naming the rank, and every worker is stopped; the executor is unusable afterwards. An
+  (the peer's socket closed) or, on CUDA, polls a step's completion (when its tokens are read)
+  together with the workers' liveness and aborts NCCL when one died. Either way `execute` (or
+  the step output's `token_ids()`) raises RuntimeError naming the rank, and every worker is stopped; the executor is unusable afterwards. An
   exception in rank 0 itself also stops the workers (they are stuck mid-step) and propagates.
 - collectives time out (NANOVLLM_TP_TIMEOUT_S, default 300 s) on a peer that is alive but stuck.
 - `shutdown()` stops the workers: a stop message, a few seconds' grace, then SIGTERM and
@@ -169,9 +172,12 @@ class TensorParallelExecutor:
 
     # ---- one step ------------------------------------------------------------------------
     def execute(self, batch: ScheduledBatch) -> StepOutput:
+        """Launch one step on every rank and return at once, as a ModelRunner does; waiting for
+        its tokens also watches the workers."""
         self._check_workers()
-        # No overlap with TP, so no step's tokens are pending: every input id is on the host.
-        host = build_host_inputs(batch, self.block_size)
+        # Decode inputs that the step in flight samples are resolved on the devices (rank 0's
+        # runner broadcasts its last tokens): pending_src indexes them by rank 0's rows.
+        host = build_host_inputs(batch, self.block_size, self.runner._last_row_of_seq)
         seqs = [batch.seqs[i] for i in host.sample_rows]
         blob = pickle.dumps(host, protocol=pickle.HIGHEST_PROTOCOL)
         try:
@@ -182,17 +188,21 @@ class TensorParallelExecutor:
                 output = self.runner.run(host, seqs)
             finally:
                 distributed.set_tensor_parallel(0, 1)
-            if self.cuda:
-                self._wait_for_device()
         except BaseException as exc:
             self._fail(exc)
+        if self.cuda:
+            output.wait_for = self._wait_for_device
         return output
 
-    def _wait_for_device(self):
-        """Wait for this step's GPU work while watching the workers: if a peer died, the NCCL
-        kernels on our stream would wait for it forever."""
-        done = torch.cuda.Event()
-        done.record()
+    def _wait_for_device(self, done: torch.cuda.Event):
+        """Wait for a step's event while watching the workers: if a peer died, the NCCL kernels
+        on our stream would wait for it forever. Raises like `execute` when one did."""
+        try:
+            self._poll(done)
+        except BaseException as exc:
+            self._fail(exc)
+
+    def _poll(self, done: torch.cuda.Event):
         start = next_check = time.monotonic()
         while not done.query():
             now = time.monotonic()

@@ -1,10 +1,13 @@
-"""Tensor parallelism over two GPUs (NCCL, decode steps in CUDA graphs with the all-reduces
-inside): HF's greedy tokens in fp32, the one-GPU engine's tokens and seeded draws, and bf16
-agreement with one GPU on a model of Qwen3-0.6B's shapes. Collected only where two CUDA devices
-are visible (see conftest)."""
+"""Tensor parallelism over two GPUs: NCCL all-reduces inside the decode graphs and the other
+steps' pieces, steps overlapped (rank 0 broadcasts the tokens a step's inputs still wait for).
+Checked against HF's greedy tokens in fp32, the one-GPU engine's tokens and seeded draws, and in
+bf16 against one GPU on a model of Qwen3-0.6B's shapes; a killed worker fails fast. Collected
+only where two CUDA devices are visible (see conftest)."""
 import json
 import os
+import signal
 import threading
+import time
 
 import pytest
 import torch
@@ -36,7 +39,8 @@ def test_two_gpus_greedy_matches_hf_fp32(arch, enforce_eager, model_factory, hf_
     llm = LLM(model_factory(arch), tensor_parallel_size=2, enforce_eager=enforce_eager, **KW)
     try:
         runner = llm.engine.model_runner.runner  # rank 0's ModelRunner inside the executor
-        assert runner.backend.name == "triton" and (runner.graph_runner is None) == enforce_eager
+        assert runner.backend.name == "triton" and llm.engine.overlap
+        assert (runner.graph_runner is None) == (runner.piecewise is None) == enforce_eager
         prompts = make_prompts(1)
         outs = greedy(llm, prompts)
         worker = llm.engine.model_runner.worker_pids[0]
@@ -84,3 +88,30 @@ def test_two_gpus_bf16_agree_with_one_gpu(qwen3_06b_four_layers):
     with LLM(qwen3_06b_four_layers, **kwargs) as one:
         reference = greedy_topk(one, prompts, 16)
     assert_bf16_agreement(ours, reference, "two GPUs vs one")
+
+
+def test_killed_worker_makes_overlapped_generate_raise(model_factory):
+    """A worker killed while steps are in flight (its peer's NCCL kernels then wait forever):
+    generate raises, naming the rank, within seconds; the LLM refuses further work."""
+    llm = LLM(model_factory("qwen3"), tensor_parallel_size=2, **KW)
+    assert llm.engine.overlap
+    pid, = llm.engine.model_runner.worker_pids
+    step, steps, running = llm.engine.step, iter(range(10**6)), threading.Event()
+
+    def counting_step():
+        if next(steps) == 20:
+            running.set()
+        return step()
+
+    llm.engine.step = counting_step
+    killer = threading.Thread(target=lambda: running.wait(20) and os.kill(pid, signal.SIGKILL))
+    killer.start()
+    start = time.monotonic()
+    long = SamplingParams(temperature=0, max_tokens=1000, ignore_eos=True)
+    with pytest.raises(RuntimeError, match="tensor-parallel worker rank 1 was killed by signal 9"):
+        llm.generate([[i + 1] * 5 for i in range(16)], long, use_tqdm=False)
+    killer.join()
+    assert time.monotonic() - start < 30
+    with pytest.raises(RuntimeError, match="group is shut down"):
+        llm.generate([[1, 2, 3]], long, use_tqdm=False)
+    shutdown_within(llm, 30)

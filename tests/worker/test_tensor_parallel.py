@@ -92,6 +92,22 @@ def test_two_ranks_match_one(model_factory, arch):
     assert not any(_alive(p) for p in pids)
 
 
+def test_two_ranks_overlapped_steps_match_one(model_factory):
+    """Steps launched before the previous step's tokens are read, as on a GPU: the decode inputs
+    still pending on the host reach every rank from rank 0's samples through a broadcast."""
+    path = model_factory("qwen3")
+    with LLM(path, **KW) as ref:
+        expected, _ = _run(ref)
+    with LLM(path, tensor_parallel_size=2, **KW) as llm:
+        llm.engine.overlap = True  # what a CUDA device turns on
+        broadcasts = []
+        runner = llm.engine.model_runner.runner
+        pending_tokens = runner._pending_tokens
+        runner._pending_tokens = lambda: broadcasts.append(1) or pending_tokens()
+        assert _run(llm)[0] == expected
+        assert broadcasts  # pending inputs were resolved on the devices
+
+
 # ---- validation --------------------------------------------------------------------------
 def test_bad_sizes_fail_before_any_process_starts(model_factory, monkeypatch):
     with pytest.raises(ValueError, match="tensor_parallel_size=3 must divide num_attention_heads=4"):
