@@ -31,6 +31,7 @@ class Result:
     error: str = ""
     prompt_len: int = 0
     output_tokens: int = 0
+    sent: float = 0.0  # time.perf_counter() when the request went out
     ttft: float = 0.0
     latency: float = 0.0
     itl: list[float] = field(default_factory=list)
@@ -48,7 +49,7 @@ async def one_request(client: httpx.AsyncClient, args, model: str, prompt: list[
     body = {"model": model, "prompt": prompt, "max_tokens": output_len, "temperature": args.temperature,
             "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
     result = Result(prompt_len=len(prompt))
-    start = last = time.perf_counter()
+    start = last = result.sent = time.perf_counter()
     try:
         async with client.stream("POST", "/v1/completions", json=body) as response:
             if response.status_code != 200:
@@ -183,6 +184,16 @@ def report(args, results: list[Result], duration: float, model: str) -> dict:
         "itl_ms": {k: v * 1e3 for k, v in percentiles([x for r in ok for x in r.itl]).items()},
         "e2e_latency_ms": {k: v * 1e3 for k, v in percentiles([r.latency for r in ok]).items()},
     }
+    # Under a concurrency limit the first `concurrency` requests go out together and queue behind
+    # each other's prefills; the later ones each replace a finished request. Their TTFTs differ in kind.
+    by_send = sorted(ok, key=lambda r: r.sent)
+    wave = args.concurrency or 0
+    if 0 < wave < len(by_send):
+        summary["ttft_ms_first_wave"] = {k: v * 1e3 for k, v in percentiles([r.ttft for r in by_send[:wave]]).items()}
+        summary["ttft_ms_later"] = {k: v * 1e3 for k, v in percentiles([r.ttft for r in by_send[wave:]]).items()}
+    t0 = by_send[0].sent if by_send else 0.0
+    summary["requests"] = [{"sent_s": r.sent - t0, "ttft_ms": r.ttft * 1e3, "e2e_ms": r.latency * 1e3,
+                            "prompt_len": r.prompt_len, "output_tokens": r.output_tokens} for r in by_send]
     line = "=" * 60
     print(line)
     print(f"{'Serving benchmark':^60}")
@@ -202,6 +213,11 @@ def report(args, results: list[Result], duration: float, model: str) -> dict:
         print(f"{title:-^60}")
         for stat in ("mean", "p50", "p90", "p99"):
             print(f"{stat.upper() if stat == 'mean' else stat} (ms):".ljust(40) + f"{summary[key][stat]:>20.2f}")
+    if "ttft_ms_first_wave" in summary:
+        first, later = summary["ttft_ms_first_wave"], summary["ttft_ms_later"]
+        print(f"{'TTFT: first ' + str(wave) + ' requests / the rest':-^60}")
+        for stat in ("mean", "p50", "p99"):
+            print(f"{stat.upper() if stat == 'mean' else stat} (ms):".ljust(40) + f"{first[stat]:>9.2f} / {later[stat]:>8.2f}")
     print(line)
     for r in failed[:5]:
         print(f"failed: {r.error}", file=sys.stderr)

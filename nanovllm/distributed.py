@@ -1,6 +1,12 @@
 """Tensor-parallel state: which rank this process is and how to combine partial results."""
+import threading
+
 import torch
 import torch.distributed as dist
+
+from nanovllm.logger import init_logger
+
+logger = init_logger(__name__)
 
 _tp_rank = 0
 _tp_size = 1
@@ -56,18 +62,36 @@ def init_process_group(rank: int, size: int, port: int, device: torch.device, ti
                             timeout=timedelta(seconds=timeout_s))
 
 
+_ABORT_WAIT_S = 10.0
+
+
 def destroy_process_group(abort: bool = False):
     """Leave the group, if any. `abort` after a peer failed: NCCL work still queued on the GPU
-    would otherwise wait for the dead peer forever."""
+    would otherwise wait for the dead peer forever. The abort itself is waited for at most
+    _ABORT_WAIT_S (some NCCL versions block in it, pytorch/pytorch#119215): a failure must reach
+    the caller, even if the communicator is then left behind."""
     if not dist.is_initialized():
         return
-    if abort:
+    if not abort:
+        dist.destroy_process_group()
+        return
+    done = threading.Event()
+
+    def leave():
         try:
             dist.distributed_c10d._abort_process_group()
-            return
         except Exception:  # no abort for this backend/version: a plain destroy is all there is
-            pass
-    dist.destroy_process_group()
+            try:
+                dist.destroy_process_group()
+            except Exception:
+                pass
+        finally:
+            done.set()
+
+    threading.Thread(target=leave, name="nanovllm-tp-abort", daemon=True).start()
+    if not done.wait(_ABORT_WAIT_S):
+        logger.warning("aborting the tensor-parallel process group did not finish within %.0f s: left behind",
+                       _ABORT_WAIT_S)
 
 
 def min_over_ranks(value: int) -> int:

@@ -123,20 +123,26 @@ class LLMEngine:
     def step(self) -> tuple[list[Sequence], int, int]:
         """Schedule and launch one forward pass, then take in the results of the previous one
         (on a GPU, so the host's work overlaps the device's) or of this one (on the CPU).
-        Returns (sequences that finished, prefill tokens launched, decode tokens launched)."""
-        batch = self.scheduler.schedule()
-        launched = None
-        if batch is not None:
-            output = self.model_runner.execute(batch)
-            self.scheduler.advance(batch)
-            for seq in output.seqs:
-                seq.append_pending()
-            launched = (batch, output)
-        if self.overlap:
-            done, self._in_flight = self._in_flight, launched
-        else:
-            done = launched
-        finished = self._process(*done) if done is not None else []
+        Returns (sequences that finished, prefill tokens launched, decode tokens launched).
+        If it raises, no step is left in flight: a failed launch or read-back leaves results that
+        cannot be trusted or fetched, and the callers fail every running request."""
+        try:
+            batch = self.scheduler.schedule()
+            launched = None
+            if batch is not None:
+                output = self.model_runner.execute(batch)
+                self.scheduler.advance(batch)
+                for seq in output.seqs:
+                    seq.append_pending()
+                launched = (batch, output)
+            if self.overlap:
+                done, self._in_flight = self._in_flight, launched
+            else:
+                done = launched
+            finished = self._process(*done) if done is not None else []
+        except BaseException:
+            self._in_flight = None
+            raise
         if batch is None:
             return finished, 0, 0
         return finished, batch.num_tokens - batch.num_decodes, batch.num_decodes

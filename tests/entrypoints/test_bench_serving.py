@@ -20,6 +20,11 @@ def test_bench_serving_one_and_several_client_processes(tiny_server, tmp_path):
     for s in summaries:
         assert s["successful"] == 6 and s["failed"] == 0 and s["output_tokens"] == 30
         assert s["duration_s"] > 0 and s["ttft_ms"]["p50"] > 0 and s["tpot_ms"]["p50"] > 0
+        # Per request, in send order: the first four went out together, the other two as slots freed.
+        sent = [r["sent_s"] for r in s["requests"]]
+        assert len(sent) == 6 and sent == sorted(sent) and sent[0] == 0
+        assert all(r["ttft_ms"] > 0 and r["e2e_ms"] >= r["ttft_ms"] and r["output_tokens"] == 5 for r in s["requests"])
+        assert s["ttft_ms_first_wave"]["p50"] > 0 and s["ttft_ms_later"]["p50"] > 0
     # The same seeded prompts whatever the number of client processes.
     assert summaries[0]["input_tokens"] == summaries[1]["input_tokens"]
     assert summaries[1]["client_processes"] == 2

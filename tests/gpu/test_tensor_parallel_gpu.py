@@ -126,15 +126,18 @@ _KILL_SCENARIO = textwrap.dedent("""
 
 def test_killed_worker_makes_overlapped_generate_raise(model_factory):
     """A worker killed while steps are in flight (its peer's NCCL kernels then wait forever):
-    generate raises, naming the rank, within seconds; the LLM refuses further work and shuts down."""
+    generate raises, naming the rank, within seconds; the LLM refuses further work, shuts down, and
+    the process exits."""
     try:
         run = subprocess.run([sys.executable, "-c", _KILL_SCENARIO, model_factory("qwen3")], capture_output=True,
                              text=True, timeout=150)
-        out, err = run.stdout, run.stderr
+        out, err, code = run.stdout, run.stderr, run.returncode
     except subprocess.TimeoutExpired as e:
-        out, err = e.stdout or "", e.stderr or ""
+        out, err, code = e.stdout or "", e.stderr or "", "none (still running after 150 s)"
+    if isinstance(out, bytes):
+        out, err = out.decode(errors="replace"), err.decode(errors="replace")
     lines = dict(line.split(" ", 1) for line in out.splitlines() if line.split(" ", 1)[0] in ("FIRST", "SECOND", "SHUT"))
-    assert "SHUT" in lines, f"stdout:\n{out}\nstderr (last 6000 chars):\n{err[-6000:]}"
+    assert "SHUT" in lines and code == 0, f"exit code {code}\nstdout:\n{out}\nstderr (last 6000 chars):\n{err[-6000:]}"
     seconds, message = lines["FIRST"].split(" ", 1)
     assert float(seconds) < 30 and "tensor-parallel worker rank 1 was killed by signal 9" in message
     assert "group is shut down" in lines["SECOND"]

@@ -132,8 +132,11 @@ def test_bad_sizes_fail_before_any_process_starts(model_factory, monkeypatch):
 
 
 # ---- failures ----------------------------------------------------------------------------
-def test_killed_worker_makes_generate_raise(model_factory):
+@pytest.mark.parametrize("overlap", [False, True])
+def test_killed_worker_makes_generate_raise(model_factory, overlap):
+    """overlap: steps launched before the previous one's tokens are read, as on a GPU."""
     llm = LLM(model_factory("qwen3"), tensor_parallel_size=2, dtype="float32", max_model_len=1024)
+    llm.engine.overlap = overlap
     pid, = _worker_pids(llm)
     _run(llm, [[1, 2, 3]], QUICK)
     # SIGKILL the worker from another thread, at an arbitrary point of a generate that is
