@@ -14,6 +14,7 @@ def _add_model_args(p: argparse.ArgumentParser):
     p.add_argument("--device", default="auto")
     p.add_argument("--dtype", default="auto")
     p.add_argument("--enforce-eager", action="store_true")
+    p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1, help="GPUs (or CPU processes) to split the model over")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -38,7 +39,8 @@ def _params(args):
 
 def _llm(args):
     from nanovllm import LLM
-    return LLM(args.model, device=args.device, dtype=args.dtype, enforce_eager=args.enforce_eager)
+    return LLM(args.model, device=args.device, dtype=args.dtype, enforce_eager=args.enforce_eager,
+               tensor_parallel_size=args.tensor_parallel_size)
 
 
 def cmd_generate(args) -> int:

@@ -23,12 +23,21 @@ def test_generate_with_an_explicit_model(smollm_dir):
     assert r.stdout.strip()
 
 
+def test_generate_over_two_ranks_matches_one(model_factory, smollm_dir):
+    args = ["generate", "hello world", "--model", model_factory("qwen3"), "--device", "cpu", "--dtype", "float32",
+            "--temperature", "0", "--max-tokens", "6"]
+    one, two = _run(args, smollm_dir), _run([*args, "-tp", "2"], smollm_dir)
+    assert one.returncode == 0 and two.returncode == 0, two.stderr
+    assert two.stdout == one.stdout
+
+
 @pytest.mark.parametrize("args, message", [
     ([], "the following arguments are required"),
     (["generate"], "the following arguments are required: prompt"),
     (["generate", "hi", "--max-tokens", "many"], "invalid int value"),
     (["generate", "hi", "--temperature", "-1"], "temperature must be a number >= 0"),
     (["generate", "hi", "--model", "/no/such/model"], "does not exist"),
+    (["generate", "hi", "-tp", "0"], "tensor_parallel_size must be an integer >= 1"),
     (["translate", "hi"], "invalid choice"),
 ])
 def test_bad_arguments_exit_nonzero_with_usage(args, message, smollm_dir):

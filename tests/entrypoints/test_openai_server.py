@@ -1,5 +1,6 @@
 """Chat and completions, streamed and not, through the official openai client, on the tiny random
 Qwen3 and on the embedded SmolLM2: streamed text must equal non-streamed text for the same seed."""
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
@@ -166,3 +167,32 @@ def test_smol_completions_and_stop(smol_server):
     assert stopped.choices[0].finish_reason == "stop" and stopped.choices[0].stop_reason == stop
     assert stopped.choices[0].text == full.choices[0].text[:full.choices[0].text.index(stop)]
     assert stopped_texts == {0: stopped.choices[0].text}
+
+
+def test_tensor_parallel_server_matches_offline(model_factory):
+    """`serve -tp 2`: the engine process starts its own worker (gloo on the CPU); completions equal
+    the offline engine's on one rank, greedy and seeded; stopping the server stops the worker."""
+    from nanovllm import LLM, SamplingParams
+    from openai_server_utils import TINY_ARGS, RemoteServer, descendants, running
+    path = model_factory("qwen3")
+    prompts = [[5, 6, 7, 8], list(range(20, 60))]
+    params = [dict(temperature=0.0), dict(temperature=1.0, seed=11)]
+    with LLM(path, device="cpu", dtype="float32", max_num_seqs=64) as llm:
+        expected = [[o["text"] for o in llm.generate(prompts, SamplingParams(max_tokens=6, ignore_eos=True, **p),
+                                                      use_tqdm=False)] for p in params]
+    server = RemoteServer([path, *TINY_ARGS, "--tensor-parallel-size", "2"])
+    try:
+        client = server.client()
+        for p, want in zip(params, expected):
+            out = client.completions.create(model=_model(server), prompt=prompts, max_tokens=6,
+                                            extra_body={"ignore_eos": True}, **p)
+            assert [c.text for c in sorted(out.choices, key=lambda c: c.index)] == want
+        below = descendants(server.proc.pid)
+        assert len(below) >= 2  # the engine process and its worker (and multiprocessing's resource tracker)
+    finally:
+        server.stop()
+    deadline = time.monotonic() + 10
+    while any(map(running, below)) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not any(map(running, below))
+

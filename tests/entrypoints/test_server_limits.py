@@ -1,6 +1,5 @@
 """API key, body-size bound, waiting-queue bound and SIGTERM, on one server of their own (one
 sequence at a time, one waiting). The tests run in file order; the last one stops the server."""
-import os
 import signal
 import threading
 import time
@@ -9,7 +8,7 @@ import httpx
 import openai
 import pytest
 
-from openai_server_utils import TINY_ARGS, RemoteServer
+from openai_server_utils import TINY_ARGS, RemoteServer, descendants, running
 
 KEY = "s3cret-key"
 
@@ -90,7 +89,7 @@ def test_sigterm_stops_the_server_promptly(server):
             ended["how"] = repr(e)
     reader = threading.Thread(target=drain)
     reader.start()
-    children = _children(server.proc.pid)
+    children = descendants(server.proc.pid)
     assert children  # the engine runs in a process of its own
     start = time.monotonic()
     server.proc.send_signal(signal.SIGTERM)
@@ -99,26 +98,7 @@ def test_sigterm_stops_the_server_promptly(server):
     reader.join(5)
     assert "shutting down" in ended["how"]
     deadline = time.monotonic() + 2  # multiprocessing's resource tracker leaves as its pipe closes
-    while (alive := [pid for pid in children if _running(pid)]) and time.monotonic() < deadline:
+    while (alive := [pid for pid in children if running(pid)]) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert not alive, [open(f"/proc/{pid}/cmdline").read() for pid in alive]
 
-
-def _running(pid: int) -> bool:
-    try:
-        return open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
-
-
-def _children(pid: int) -> list[int]:
-    found = []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                stat = open(f"/proc/{entry}/stat").read()
-            except OSError:
-                continue
-            if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
-                found.append(int(entry))
-    return found
