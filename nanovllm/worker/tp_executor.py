@@ -15,8 +15,9 @@ Failure handling, so that nothing hangs and nothing is left behind:
   Rank 0 checks liveness before each step and, while waiting, either gets an error from gloo
   (the peer's socket closed) or, on CUDA, polls a step's completion (when its tokens are read)
   together with the workers' liveness and aborts NCCL when one died. Either way `execute` (or
-  the step output's `token_ids()`) raises RuntimeError naming the rank, and every worker is stopped; the executor is unusable afterwards. An
-  exception in rank 0 itself also stops the workers (they are stuck mid-step) and propagates.
+  the step output's `token_ids()`) raises RuntimeError naming the rank, and every worker is
+  stopped; the executor is unusable afterwards. An exception in rank 0 itself also stops the
+  workers (they are stuck mid-step) and propagates.
 - collectives time out (NANOVLLM_TP_TIMEOUT_S, default 300 s) on a peer that is alive but stuck.
 - `shutdown()` stops the workers: a stop message, a few seconds' grace, then SIGTERM and
   SIGKILL. So does a finalizer if the executor is dropped or the interpreter exits without
