@@ -218,9 +218,14 @@ class ModelRunner:
         g = self.graph_runner
         if g is not None and g.capture_sampler and g.can_run(len(batch.seqs), batch.num_decodes):
             return self._execute_graphed_decode(batch.seqs)
-        host = build_host_inputs(batch, self.block_size, self._last_row_of_seq)
+        host = self.host_inputs(batch)
         seqs = [batch.seqs[i] for i in host.sample_rows]
         return self.run(host, seqs)
+
+    def host_inputs(self, batch: ScheduledBatch) -> HostInputs:
+        """The step's inputs as host arrays; decode inputs still pending on the host index the
+        rows of the last step's samples, which stay on the device (see `run`)."""
+        return build_host_inputs(batch, self.block_size, self._last_row_of_seq)
 
     @torch.inference_mode()
     def run(self, host: HostInputs, sample_seqs: list[Sequence] | None) -> StepOutput:

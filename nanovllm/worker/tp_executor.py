@@ -40,7 +40,6 @@ import torch.multiprocessing as mp
 from nanovllm import distributed
 from nanovllm.config import Config
 from nanovllm.engine.scheduler import ScheduledBatch
-from nanovllm.worker.inputs import build_host_inputs
 from nanovllm.worker.model_runner import ModelRunner, StepOutput
 from nanovllm.worker.tp_worker import STOP, rank_device, worker_main
 
@@ -69,7 +68,6 @@ class TensorParallelExecutor:
                                "tensor-parallel LLM?): shut that one down before starting another")
         self.config = config
         self.size = config.tensor_parallel_size
-        self.block_size = config.kvcache_block_size
         self.timeout_s = float(os.environ.get("NANOVLLM_TP_TIMEOUT_S", "300"))
         config.device = rank_device(config.device, 0)
         self.device = config.device
@@ -177,8 +175,8 @@ class TensorParallelExecutor:
         its tokens also watches the workers."""
         self._check_workers()
         # Decode inputs that the step in flight samples are resolved on the devices (rank 0's
-        # runner broadcasts its last tokens): pending_src indexes them by rank 0's rows.
-        host = build_host_inputs(batch, self.block_size, self.runner._last_row_of_seq)
+        # runner broadcasts its last tokens), by the rows of rank 0's samples.
+        host = self.runner.host_inputs(batch)
         seqs = [batch.seqs[i] for i in host.sample_rows]
         blob = pickle.dumps(host, protocol=pickle.HIGHEST_PROTOCOL)
         try:
