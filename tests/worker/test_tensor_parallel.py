@@ -92,19 +92,26 @@ def test_two_ranks_match_one(model_factory, arch):
     assert not any(_alive(p) for p in pids)
 
 
+# Seeded draws with the sampler's optional stages: penalties read the pending tokens too.
+MIXED = [SamplingParams(temperature=0.8, seed=1, max_tokens=12, ignore_eos=True, top_k=20),
+         SamplingParams(temperature=0.7, seed=2, max_tokens=8, ignore_eos=True, logprobs=2, presence_penalty=0.5),
+         SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True, repetition_penalty=1.3),
+         SamplingParams(temperature=1.0, seed=4, max_tokens=5, min_tokens=3, top_p=0.9)]
+
+
 def test_two_ranks_overlapped_steps_match_one(model_factory):
     """Steps launched before the previous step's tokens are read, as on a GPU: the decode inputs
     still pending on the host reach every rank from rank 0's samples through a broadcast."""
     path = model_factory("qwen3")
     with LLM(path, **KW) as ref:
-        expected, _ = _run(ref)
+        expected = [_run(ref)[0], _run(ref, params=MIXED)[0]]
     with LLM(path, tensor_parallel_size=2, **KW) as llm:
         llm.engine.overlap = True  # what a CUDA device turns on
         broadcasts = []
         runner = llm.engine.model_runner.runner
         pending_tokens = runner._pending_tokens
         runner._pending_tokens = lambda: broadcasts.append(1) or pending_tokens()
-        assert _run(llm)[0] == expected
+        assert [_run(llm)[0], _run(llm, params=MIXED)[0]] == expected
         assert broadcasts  # pending inputs were resolved on the devices
 
 
