@@ -37,6 +37,7 @@ class FinishedSequence(NamedTuple):
     """What metrics need of a completion that ended (finished, stopped or aborted)."""
     finish_reason: str | None   # None: aborted
     arrival_time: float         # time.perf_counter() values (CLOCK_MONOTONIC: one clock per host)
+    first_scheduled_time: float | None
     first_token_time: float | None
     num_tokens: int
     time: float
@@ -291,5 +292,5 @@ class EngineCore:
 
 def _finished(seq: Sequence, now: float, aborted: bool = False) -> FinishedSequence:
     known = max(seq.num_completion_tokens - seq.num_pending_tokens, 0)
-    return FinishedSequence(None if aborted else seq.finish_reason, seq.arrival_time, seq.first_token_time,
-                            known, now)
+    return FinishedSequence(None if aborted else seq.finish_reason, seq.arrival_time, seq.first_scheduled_time,
+                            seq.first_token_time, known, now)

@@ -7,6 +7,7 @@ Running sequences are served first, in admission order; when the KV cache runs o
 recently admitted sequence is preempted (blocks freed, recomputed later) and put at the head of
 the waiting queue, so the oldest request always makes progress and nothing starves.
 """
+import time
 from collections import deque
 from dataclasses import dataclass
 
@@ -90,6 +91,8 @@ class Scheduler:
             if seq.num_preemptions == 0:
                 self.block_manager.record_prefix_query(seq.num_tokens, seq.num_cached_tokens)
             self.waiting.popleft()
+            if seq.first_scheduled_time is None:
+                seq.first_scheduled_time = time.perf_counter()
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             scheduled.append((seq, n))

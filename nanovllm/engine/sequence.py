@@ -41,6 +41,7 @@ class Sequence:
         self.num_pending_tokens = 0
         # Timestamps for metrics (filled by the engine).
         self.arrival_time = 0.0
+        self.first_scheduled_time: float | None = None  # first admitted to the running batch
         self.first_token_time: float | None = None
 
     def __len__(self) -> int:

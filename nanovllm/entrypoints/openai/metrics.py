@@ -56,6 +56,8 @@ class ServerMetrics:
         self.generation_tokens = 0
         self.finished: dict[str, int] = {"stop": 0, "length": 0, "abort": 0}
         self.ttft = Histogram(TTFT_BUCKETS)
+        self.queue_time = Histogram(TTFT_BUCKETS)    # arrival -> first scheduled
+        self.prefill_time = Histogram(TTFT_BUCKETS)  # first scheduled -> first token
         self.tpot = Histogram(TPOT_BUCKETS)
         self.e2e = Histogram(E2E_BUCKETS)
 
@@ -78,8 +80,13 @@ class ServerMetrics:
             if reason == "abort":
                 return  # a cancelled request's timings say nothing about the server
             self.e2e.observe(seq.time - seq.arrival_time)
+            scheduled = seq.first_scheduled_time
+            if scheduled is not None:
+                self.queue_time.observe(scheduled - seq.arrival_time)
             if first is not None:
                 self.ttft.observe(first - seq.arrival_time)
+                if scheduled is not None:
+                    self.prefill_time.observe(first - scheduled)
                 if seq.num_tokens > 1:
                     self.tpot.observe((seq.time - first) / (seq.num_tokens - 1))
 
@@ -129,6 +136,11 @@ class ServerMetrics:
                     for reason, count in sorted(self.finished.items())])
             metric("time_to_first_token_seconds", "histogram", "Time from arrival to the first generated token.",
                    self.ttft.render(f"{_PREFIX}time_to_first_token_seconds", labels))
+            metric("request_queue_time_seconds", "histogram", "Time from arrival to first joining the running batch.",
+                   self.queue_time.render(f"{_PREFIX}request_queue_time_seconds", labels))
+            metric("request_prefill_time_seconds", "histogram",
+                   "Time from first joining the running batch to the first generated token (the prompt's chunks).",
+                   self.prefill_time.render(f"{_PREFIX}request_prefill_time_seconds", labels))
             metric("time_per_output_token_seconds", "histogram", "Mean time between a completion's tokens.",
                    self.tpot.render(f"{_PREFIX}time_per_output_token_seconds", labels))
             metric("e2e_request_latency_seconds", "histogram", "Time from arrival to the last token.",
