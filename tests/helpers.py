@@ -107,3 +107,39 @@ def assert_greedy_match(ours: list[int], hf_tokens: list[int], hf_scores: list[t
                       f"ours {ours}\nHF   {hf_tokens}")
         return
     assert len(ours) == len(hf_tokens), f"{what}: lengths differ: {len(ours)} vs {len(hf_tokens)}"
+
+
+# ---- processes, from /proc (psutil-free) ------------------------------------------------------
+def _process_table() -> dict[int, tuple[int, str]]:
+    """pid -> (parent pid, state letter) of every process."""
+    table = {}
+    for entry in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        table[int(entry)] = (int(fields[1]), fields[0])
+    return table
+
+
+def running(pid: int) -> bool:
+    """Alive and not a zombie."""
+    state = _process_table().get(pid)
+    return state is not None and state[1] != "Z"
+
+
+def children(pid: int) -> list[int]:
+    """pid's live children."""
+    return sorted(p for p, (parent, state) in _process_table().items() if parent == pid and state != "Z")
+
+
+def descendants(pid: int) -> list[int]:
+    """Every live process below pid: its children, their children, ..."""
+    table = _process_table()
+    found, frontier = [], {pid}
+    while frontier:
+        frontier = {p for p, (parent, state) in table.items() if parent in frontier and state != "Z"}
+        found += sorted(frontier)
+    return found
+

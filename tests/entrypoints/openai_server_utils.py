@@ -98,27 +98,3 @@ class RemoteServer:
                 self.proc.wait()
         os.unlink(self.log.name)
 
-
-def descendants(pid: int) -> list[int]:
-    """Every process below pid (children, their children, ...), from /proc."""
-    parents = {}
-    for entry in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            with open(f"/proc/{entry}/stat") as f:
-                parents[int(entry)] = int(f.read().rsplit(")", 1)[1].split()[1])
-        except OSError:
-            pass
-    found, frontier = [], {pid}
-    while frontier:
-        frontier = {p for p, parent in parents.items() if parent in frontier}
-        found += sorted(frontier)
-    return found
-
-
-def running(pid: int) -> bool:
-    """Alive and not a zombie."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False

@@ -179,7 +179,8 @@ def test_tensor_parallel_server_matches_offline(model_factory):
     """`serve -tp 2`: the engine process starts its own worker (gloo on the CPU); completions equal
     the offline engine's on one rank, greedy and seeded; stopping the server stops the worker."""
     from nanovllm import LLM, SamplingParams
-    from openai_server_utils import TINY_ARGS, RemoteServer, descendants, running
+    from helpers import descendants, running
+    from openai_server_utils import TINY_ARGS, RemoteServer
     path = model_factory("qwen3")
     prompts = [[5, 6, 7, 8], list(range(20, 60))]
     params = [dict(temperature=0.0), dict(temperature=1.0, seed=11)]

@@ -8,7 +8,8 @@ import httpx
 import openai
 import pytest
 
-from openai_server_utils import TINY_ARGS, RemoteServer, descendants, running
+from helpers import descendants, running
+from openai_server_utils import TINY_ARGS, RemoteServer
 
 KEY = "s3cret-key"
 

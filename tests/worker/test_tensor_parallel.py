@@ -13,6 +13,7 @@ import pytest
 import torch
 from transformers import AutoConfig
 
+from helpers import children, running
 from nanovllm import LLM, SamplingParams
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -26,29 +27,9 @@ BOUND_S = 20  # a failure must surface well within this
 
 
 def _child_pids() -> set[int]:
-    """Live children of this process (psutil-free), other than multiprocessing's resource tracker."""
-    me, found = os.getpid(), set()
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if int(fields[1]) == me and fields[0] != "Z":
-            found.add(int(entry))
+    """Live children of this process, other than multiprocessing's resource tracker."""
     from multiprocessing import resource_tracker
-    found.discard(getattr(resource_tracker._resource_tracker, "_pid", None))
-    return found
-
-
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
+    return set(children(os.getpid())) - {getattr(resource_tracker._resource_tracker, "_pid", None)}
 
 
 def _worker_pids(llm) -> list[int]:
@@ -81,7 +62,7 @@ def test_two_ranks_match_one(model_factory, arch):
     with LLM(path, tensor_parallel_size=2, **KW) as llm:
         executor = llm.engine.model_runner
         pids = _worker_pids(llm)
-        assert len(pids) == 1 and all(_alive(p) for p in pids)
+        assert len(pids) == 1 and all(running(p) for p in pids)
         hf = llm.config.hf_config
         assert executor.num_kv_heads == max(1, hf.num_key_value_heads // 2)  # the KV cache is per rank
         assert executor.num_blocks == llm.config.num_kvcache_blocks
@@ -89,7 +70,7 @@ def test_two_ranks_match_one(model_factory, arch):
         assert first == expected and cached == [0, 0, 0, 0]
         again, cached = _run(llm)  # same prompts: their full blocks now come from the prefix cache
         assert again == expected and cached == [0, 48, 16, 16]
-    assert not any(_alive(p) for p in pids)
+    assert not any(running(p) for p in pids)
 
 
 # Seeded draws with the sampler's optional stages: penalties read the pending tokens too.
@@ -181,7 +162,7 @@ def test_worker_exception_makes_generate_raise(model_factory):
     with pytest.raises(RuntimeError, match="(?s)tensor-parallel worker rank 1 raised:.*UnpicklingError"):
         _run(llm)
     assert time.monotonic() - start < BOUND_S
-    assert not _alive(pid)
+    assert not running(pid)
     llm.shutdown()
 
 
@@ -199,7 +180,7 @@ def test_exception_in_rank0_stops_the_workers(model_factory):
         _run(llm)
     assert time.monotonic() - start < BOUND_S
     # The worker was mid-step, waiting for rank 0 in a collective: it cannot be reused.
-    assert not _alive(pid)
+    assert not running(pid)
     with pytest.raises(RuntimeError, match="group is shut down .*rank 0 failed"):
         _run(llm)
     llm.shutdown()
@@ -232,9 +213,9 @@ def test_workers_stop_when_llm_is_dropped_and_at_exit(model_factory):
     assert dropped_exists == "False"
     left_pid = int(lines["LEFT"])
     deadline = time.monotonic() + 5
-    while _alive(left_pid) and time.monotonic() < deadline:
+    while running(left_pid) and time.monotonic() < deadline:
         time.sleep(0.1)
-    assert not _alive(left_pid)
+    assert not running(left_pid)
 
 
 def test_workers_exit_when_rank0_is_killed(model_factory):
@@ -251,12 +232,12 @@ def test_workers_exit_when_rank0_is_killed(model_factory):
         line = rank0.stdout.readline()
         assert line.startswith("WORKER"), line
         worker = int(line.split()[1])
-        assert _alive(worker)
+        assert running(worker)
     finally:
         rank0.kill()
         rank0.wait()
         rank0.stdout.close()
     deadline = time.monotonic() + 5
-    while _alive(worker) and time.monotonic() < deadline:
+    while running(worker) and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert not _alive(worker)  # no orphan: it noticed its parent's death
+    assert not running(worker)  # no orphan: it noticed its parent's death
