@@ -25,6 +25,10 @@ _plain_sampling = attrgetter("plain_sampling")
 class StepOutput:
     """What one step sampled, still on the device until `token_ids()` is called."""
 
+    # How to wait for the step's event; a tensor-parallel executor replaces it on its outputs with
+    # a wait that watches the workers meanwhile.
+    wait_for = staticmethod(torch.cuda.Event.synchronize)
+
     def __init__(self, seqs: list[Sequence], sampled: SamplerOutput | None, host: SamplerOutput | None = None,
                  event=None):
         """Either `sampled` (copied to fresh pinned memory here), or `host` copies already queued
@@ -36,8 +40,6 @@ class StepOutput:
             if sampled.token_ids.is_cuda:
                 self._event = torch.cuda.Event()
                 self._event.record()
-        # How to wait for the event: a tensor-parallel executor watches its workers meanwhile.
-        self.wait_for = torch.cuda.Event.synchronize
 
     def token_ids(self) -> list[int]:
         if self._host is None:
@@ -309,7 +311,7 @@ class ModelRunner:
         self.release_graphs()
         for attn in self.model.attention_layers:
             attn.k_cache = attn.v_cache = torch.tensor([])
-        self.graph_runner = self.piecewise = self.kv_cache = self._last_sampled = None
+        self.kv_cache = self._last_sampled = None
         self.model = None
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
