@@ -66,10 +66,11 @@ _ABORT_WAIT_S = 10.0
 
 
 def destroy_process_group(abort: bool = False):
-    """Leave the group, if any. `abort` after a peer failed: NCCL work still queued on the GPU
-    would otherwise wait for the dead peer forever. The abort itself is waited for at most
-    _ABORT_WAIT_S (some NCCL versions block in it, pytorch/pytorch#119215): a failure must reach
-    the caller, even if the communicator is then left behind."""
+    """Leave the group, if any. `abort` after a peer failed while this process may be blocked on
+    the device (start-up: NCCL work queued on the GPU would otherwise wait for the dead peer
+    forever). The abort itself is waited for at most _ABORT_WAIT_S: some NCCL versions block in it
+    (pytorch/pytorch#119215; NCCL 2.28.9 never returned after a peer was SIGKILLed mid-collective),
+    and a failure must reach the caller even if the communicator is then left behind."""
     if not dist.is_initialized():
         return
     if not abort:

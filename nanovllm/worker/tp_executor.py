@@ -14,7 +14,7 @@ Failure handling, so that nothing hangs and nothing is left behind:
 - a worker that raises reports its traceback and exits at once; one that is killed just exits.
   Rank 0 checks liveness before each step and, while waiting, either gets an error from gloo
   (the peer's socket closed) or, on CUDA, polls a step's completion (when its tokens are read)
-  together with the workers' liveness and aborts NCCL when one died. Either way `execute` (or
+  together with the workers' liveness. Either way `execute` (or
   the step output's `token_ids()`) raises RuntimeError naming the rank, and every worker is
   stopped; the executor is unusable afterwards. An exception in rank 0 itself also stops the
   workers (they are stuck mid-step) and propagates.
@@ -65,7 +65,8 @@ class TensorParallelExecutor:
     def __init__(self, config: Config, eos_token_ids: frozenset[int] = frozenset()):
         if dist.is_initialized():
             raise RuntimeError("this process already belongs to a torch.distributed process group (another "
-                               "tensor-parallel LLM?): shut that one down before starting another")
+                               "tensor-parallel LLM?): shut that one down before starting another; one whose "
+                               "worker died on a GPU cannot be released (NCCL waits on the dead peer): use a new process")
         self.config = config
         self.size = config.tensor_parallel_size
         self.timeout_s = float(os.environ.get("NANOVLLM_TP_TIMEOUT_S", "300"))
@@ -80,7 +81,7 @@ class TensorParallelExecutor:
             os.environ["NCCL_NVLS_ENABLE"] = "0"
             os.environ["TORCH_SYMM_MEM_DISABLE_MULTICAST"] = "1"
             # A dead peer must become an exception here, not NCCL's watchdog tearing down the
-            # caller's process: we watch the workers and abort NCCL ourselves.
+            # caller's process: we watch the workers ourselves.
             os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "0")
         else:
             # The ranks share the host's cores: like each worker, rank 0 takes its share only, or
@@ -214,7 +215,10 @@ class TensorParallelExecutor:
 
     def _check_workers(self):
         if self._failure is not None:
-            raise RuntimeError(f"the tensor-parallel group is shut down ({self._failure}); create a new LLM")
+            remedy = ("NCCL cannot release this group, and GPU work of this process stays blocked behind its "
+                      "kernels until the process exits: continue in a new process"
+                      if self._group.in_process_group else "create a new LLM")
+            raise RuntimeError(f"the tensor-parallel group is shut down ({self._failure}); {remedy}")
         for rank, (proc, conn) in enumerate(zip(self._group.procs, self._group.conns), start=1):
             # Between steps a worker sends nothing but an error report (or EOF, when it is gone).
             if not proc.is_alive() or conn.poll():
@@ -269,9 +273,14 @@ class TensorParallelExecutor:
     def _stop(self, graceful: bool):
         self._finalizer.detach()
         atexit.unregister(self._finalizer)
-        # After a failure on CUDA, NCCL is aborted (queued kernels may wait on a dead peer) and
-        # rank 0's memory is left to the garbage collector: freeing it would synchronize the device.
-        _teardown(self._group, graceful=graceful, abort=self.cuda and not graceful)
+        # After a failure on CUDA, rank 0's NCCL kernels may wait on the dead peer forever. Aborting
+        # the communicator does not help: with NCCL 2.28 (torch 2.11) ncclCommAbort never returned
+        # after a peer was SIGKILLed mid-collective, and the thread it was left in made the
+        # interpreter's exit abort (SIGABRT); destroying the group waits on those kernels too, and
+        # so did other work on rank 0's GPU, even on a stream of its own (tests/gpu). So the
+        # communicator and rank 0's memory (freeing it would synchronize the device) are left to the
+        # process's exit, which the driver's context teardown completes.
+        _teardown(self._group, graceful=graceful, leave_group=graceful or not self.cuda)
         if self.runner is not None and (graceful or not self.cuda):
             self.runner.shutdown()
 
@@ -310,8 +319,9 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _teardown(group: _Group, graceful: bool = True, abort: bool = False):
-    """Stop every worker process, leave the process group and give rank 0 its threads back."""
+def _teardown(group: _Group, graceful: bool = True, leave_group: bool = True):
+    """Stop every worker process, leave the process group (unless `leave_group` is False: see
+    `_stop`) and give rank 0 its threads back."""
     if group.torn_down:  # e.g. at exit, then again from LLM.__del__
         return
     group.torn_down = True
@@ -319,11 +329,11 @@ def _teardown(group: _Group, graceful: bool = True, abort: bool = False):
     if graceful:
         # Every rank frees its CUDA graphs before leaving the group (ModelRunner.release_graphs
         # says why); rank 0 first, so that no worker's exit waits on it.
-        if release_graphs is not None and not abort:
+        if release_graphs is not None and leave_group:
             try:
                 release_graphs()
-            except Exception:  # a device error: leave the group without waiting on it
-                abort = True
+            except Exception:  # a device error: do not wait on the group's collectives either
+                leave_group = False
         for conn in group.conns:
             try:
                 conn.send_bytes(STOP)
@@ -342,10 +352,10 @@ def _teardown(group: _Group, graceful: bool = True, abort: bool = False):
             proc.join()
     for conn in group.conns:
         conn.close()
-    if group.in_process_group:
+    if group.in_process_group and leave_group:
         group.in_process_group = False
         try:
-            distributed.destroy_process_group(abort=abort)
+            distributed.destroy_process_group()
         except Exception:
             pass
     distributed.set_tensor_parallel(0, 1)

@@ -121,13 +121,18 @@ _KILL_SCENARIO = textwrap.dedent("""
         print("SECOND", str(e).splitlines()[0], flush=True)
     llm.shutdown()
     print("SHUT DOWN", flush=True)
+    try:
+        LLM(sys.argv[1], tensor_parallel_size=2, dtype="float32", max_model_len=1024)
+    except RuntimeError as e:
+        print("THIRD", str(e).splitlines()[0], flush=True)
 """)
 
 
 def test_killed_worker_makes_overlapped_generate_raise(model_factory):
     """A worker killed while steps are in flight (its peer's NCCL kernels then wait forever):
-    generate raises, naming the rank, within seconds; the LLM refuses further work, shuts down, and
-    the process exits."""
+    generate raises, naming the rank, within seconds; the LLM refuses further work and shuts down; a
+    second tensor-parallel LLM in the same process is refused (the failed group cannot be released),
+    both errors naming the remedy; the process exits cleanly."""
     try:
         run = subprocess.run([sys.executable, "-c", _KILL_SCENARIO, model_factory("qwen3")], capture_output=True,
                              text=True, timeout=150)
@@ -136,8 +141,10 @@ def test_killed_worker_makes_overlapped_generate_raise(model_factory):
         out, err, code = e.stdout or "", e.stderr or "", "none (still running after 150 s)"
     if isinstance(out, bytes):
         out, err = out.decode(errors="replace"), err.decode(errors="replace")
-    lines = dict(line.split(" ", 1) for line in out.splitlines() if line.split(" ", 1)[0] in ("FIRST", "SECOND", "SHUT"))
-    assert "SHUT" in lines and code == 0, f"exit code {code}\nstdout:\n{out}\nstderr (last 6000 chars):\n{err[-6000:]}"
+    lines = dict(line.split(" ", 1) for line in out.splitlines()
+                 if line.split(" ", 1)[0] in ("FIRST", "SECOND", "SHUT", "THIRD"))
+    assert "THIRD" in lines and code == 0, f"exit code {code}\nstdout:\n{out}\nstderr (last 6000 chars):\n{err[-6000:]}"
     seconds, message = lines["FIRST"].split(" ", 1)
-    assert float(seconds) < 30 and "tensor-parallel worker rank 1 was killed by signal 9" in message
-    assert "group is shut down" in lines["SECOND"]
+    assert float(seconds) < 10 and "tensor-parallel worker rank 1 was killed by signal 9" in message
+    assert "group is shut down" in lines["SECOND"] and "new process" in lines["SECOND"]
+    assert "new process" in lines["THIRD"]
