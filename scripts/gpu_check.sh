@@ -15,7 +15,8 @@
 # barrier (dependent projections as kernels vs one persistent kernel with grid barriers), prefilltiles (prefill
 # attention tiles, K/V by pointers and through TMA), lmhead (the LM head and the sampling draw in one kernel vs cuBLAS +
 # the sampling pass), green (decode attention and the other half-batch's GEMMs on disjoint SMs through CUDA green
-# contexts), and on a two-GPU machine tp (the tensor-parallel GPU tests) and bench8btp (Qwen3-8B over two GPUs).
+# contexts), and on a two-GPU machine tp (the tensor-parallel GPU tests), bench8btp (Qwen3-8B over two GPUs) and
+# bench8btp1shot (the same with the one-shot all-reduce, NANOVLLM_ONE_SHOT_ALL_REDUCE=1).
 set -o pipefail
 OUTDIR=${1:-${OUT:-/tmp/nanovllm-gpu}}
 mkdir -p "$OUTDIR"
@@ -60,6 +61,7 @@ for stage in $STAGES; do
     single)  run single python3 bench.py --single --json "$OUTDIR/bench_single.json" ;;
     tp)      run tp python3 -m pytest tests/gpu/test_tensor_parallel_gpu.py -q -p no:cacheprovider --durations=8 ;;
     bench8btp) run bench8btp python3 bench.py --config benchmarks/configs/qwen3-8b.json -tp 2 --json "$OUTDIR/bench_qwen3_8b_tp2.json" ;;
+    bench8btp1shot) NANOVLLM_ONE_SHOT_ALL_REDUCE=1 run bench8btp1shot python3 bench.py --config benchmarks/configs/qwen3-8b.json -tp 2 --json "$OUTDIR/bench_qwen3_8b_tp2_one_shot.json" ;;
     bench8b) run bench8b python3 bench.py --config benchmarks/configs/qwen3-8b.json --json "$OUTDIR/bench_qwen3_8b.json" ;;
     *) echo "unknown stage $stage"; status=1 ;;
   esac

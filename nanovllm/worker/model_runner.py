@@ -7,7 +7,8 @@ import torch
 
 from nanovllm.attention.base import get_attention_backend
 from nanovllm.config import Config
-from nanovllm.distributed import broadcast_from_rank0, min_over_ranks, set_tensor_parallel, tp_rank, tp_size
+from nanovllm.distributed import (broadcast_from_rank0, enable_one_shot_all_reduce, min_over_ranks, set_tensor_parallel,
+                                  tp_rank, tp_size)
 from nanovllm.engine.scheduler import ScheduledBatch
 from nanovllm.engine.sequence import Sequence
 from nanovllm.layers.sampler import LogprobsLists, Sampler, SamplerOutput
@@ -96,6 +97,8 @@ class ModelRunner:
         self._last_sampled: torch.Tensor | None = None
         self._last_row_of_seq: dict[int, int] = {}
         self._tp_sampled: torch.Tensor | None = None  # the ranks' copy of the last tokens (_pending_tokens)
+        if config.tensor_parallel_size > 1:  # every rank, here: a collective set-up
+            enable_one_shot_all_reduce(self.device, config.torch_dtype)
         self.graph_runner = None
         self.piecewise = None
         self.stage = HostToDevice(self.device)

@@ -354,6 +354,7 @@ def _teardown(group: _Group, graceful: bool = True, leave_group: bool = True):
         conn.close()
     if group.in_process_group and leave_group:
         group.in_process_group = False
+        distributed.disable_one_shot_all_reduce()
         try:
             distributed.destroy_process_group()
         except Exception:

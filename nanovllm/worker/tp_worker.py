@@ -51,6 +51,7 @@ def worker_main(rank: int, config, port: int, timeout_s: float, conn):
                 break
             runner.run(pickle.loads(msg), None)
         runner.release_graphs()  # before the group: see ModelRunner.release_graphs
+        distributed.disable_one_shot_all_reduce()
         distributed.destroy_process_group()
         # Skip the interpreter's teardown of torch & co (a second or more): nothing else to save.
         sys.stdout.flush()

@@ -91,6 +91,34 @@ def test_two_gpus_bf16_agree_with_one_gpu(qwen3_06b_four_layers):
     assert_bf16_agreement(ours, reference, "two GPUs vs one")
 
 
+# In a child process: only the first tensor-parallel group of a process sets up the one-shot all-reduce
+# (opt-in: NANOVLLM_ONE_SHOT_ALL_REDUCE=1).
+_ONE_SHOT_SCENARIO = textwrap.dedent("""
+    import faulthandler, sys
+    faulthandler.dump_traceback_later(150, exit=True)
+    from nanovllm import LLM, SamplingParams, distributed
+    prompts = [[(7 * i + 3 * j) % 500 + 1 for j in range(n)] for i, n in enumerate((5, 40, 300, 600))]
+    greedy = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    tokens = []
+    for _ in range(2):
+        with LLM(sys.argv[1], tensor_parallel_size=2, dtype="bfloat16", max_model_len=1024,
+                 gpu_memory_utilization=0.2) as llm:
+            print("ONE_SHOT", distributed._one_shot is not None, flush=True)
+            tokens.append([o["token_ids"] for o in llm.generate(prompts * 8, greedy, use_tqdm=False)])
+    print("SAME", tokens[0] == tokens[1], flush=True)
+""")
+
+
+def test_one_shot_all_reduce_gives_nccls_tokens(model_factory):
+    """The decode steps' all-reduces through peer memory (the process's first group) give the
+    tokens of NCCL's (its second group) exactly: a sum of two bf16 values is rounded once either way."""
+    run = subprocess.run([sys.executable, "-c", _ONE_SHOT_SCENARIO, model_factory("qwen3")], capture_output=True,
+                         text=True, timeout=200, env=dict(os.environ, NANOVLLM_ONE_SHOT_ALL_REDUCE="1"))
+    lines = [line for line in run.stdout.splitlines() if line.split(" ")[0] in ("ONE_SHOT", "SAME")]
+    assert run.returncode == 0 and lines == ["ONE_SHOT True", "ONE_SHOT False", "SAME True"], \
+        f"exit code {run.returncode}\nstdout:\n{run.stdout}\nstderr:\n{run.stderr[-4000:]}"
+
+
 # Run in a child process: a hang there becomes a failure here, with every thread's stack.
 _KILL_SCENARIO = textwrap.dedent("""
     import faulthandler, os, signal, sys, threading, time
