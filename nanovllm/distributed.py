@@ -57,9 +57,11 @@ class _OneShot:
 
 
 _one_shot: _OneShot | None = None
-# Once per process: the second tensor-parallel group of one process hung in its set-up on the H200s
-# (likely: destroy_process_group does not undo symmetric memory's registration of the group's name,
-# which the next group reuses), so later groups keep NCCL. Not yet run on the GPUs with this guard.
+# Once per process: the second tensor-parallel group of one process hung in its set-up on the H200s.
+# PyTorch's symmetric memory records a group's rank, size and store under the group's name for the life
+# of the process (its set_group_info refuses a name twice, nothing removes one), and the next default
+# group takes the same name, so rank 0 would meet its new peers through the old group's store. Later
+# groups keep NCCL. Not yet run on the GPUs with this guard.
 _one_shot_taken = False
 
 
