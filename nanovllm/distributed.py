@@ -1,6 +1,7 @@
 """Tensor-parallel state: which rank this process is and how to combine partial results."""
 import os
 import threading
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -51,9 +52,9 @@ def all_reduce(x: torch.Tensor) -> torch.Tensor:
 ONE_SHOT_MAX_BYTES = 8 << 20
 
 
-class _OneShot:
-    def __init__(self, buffer: torch.Tensor, group_name: str):
-        self.buffer, self.group_name = buffer, group_name
+class _OneShot(NamedTuple):
+    buffer: torch.Tensor  # this rank's staging buffer, mapped into its peers
+    group_name: str
 
 
 _one_shot: _OneShot | None = None
