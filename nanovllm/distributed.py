@@ -46,9 +46,12 @@ def all_reduce(x: torch.Tensor) -> torch.Tensor:
 # copies the input there, meets the peers at a barrier and sums every rank's buffer over NVLink: one
 # kernel instead of NCCL's ring, no NVLink multicast (which stays off on the machines we run on).
 # Measured on two H200s (BENCHMARKS.md): Qwen3-8B over two GPUs 14,416 against 14,063 tok/s, decode 128+
-# 8.65 against 9.02 ms per step. Opt-in (NANOVLLM_ONE_SHOT_ALL_REDUCE=1) until the GPU suite has run with
-# it: there the second tensor-parallel group of one process hung in its set-up. Past
-# ONE_SHOT_MAX_BYTES (prefill steps) each rank reading every peer's whole input loses to NCCL's ring.
+# 8.65 against 9.02 ms per step; 14,569 against 14,198 in a later pair. Opt-in
+# (NANOVLLM_ONE_SHOT_ALL_REDUCE=1) because of its failure path: with a worker SIGKILLed mid-step,
+# generate raises as quickly as with NCCL (0.2 s), but the process then never finishes its exit (hung
+# below Python, still after 100 s, also with the staging buffer never freed), where with NCCL it exits
+# cleanly (tests/gpu/test_tensor_parallel_gpu.py). Past ONE_SHOT_MAX_BYTES (prefill steps) each rank
+# reading every peer's whole input loses to NCCL's ring.
 ONE_SHOT_MAX_BYTES = 8 << 20
 
 
@@ -62,7 +65,7 @@ _one_shot: _OneShot | None = None
 # PyTorch's symmetric memory records a group's rank, size and store under the group's name for the life
 # of the process (its set_group_info refuses a name twice, nothing removes one), and the next default
 # group takes the same name, so rank 0 would meet its new peers through the old group's store. Later
-# groups keep NCCL. Not yet run on the GPUs with this guard.
+# groups keep NCCL (checked on the GPUs: tests/gpu/test_tensor_parallel_gpu.py).
 _one_shot_taken = False
 
 
@@ -101,6 +104,10 @@ def enable_one_shot_all_reduce(device: torch.device, dtype: torch.dtype) -> bool
         return False
     _one_shot = _OneShot(buffer, group_name)
     return True
+
+
+def one_shot_all_reduce_on() -> bool:
+    return _one_shot is not None
 
 
 def disable_one_shot_all_reduce():

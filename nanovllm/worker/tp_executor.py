@@ -218,6 +218,10 @@ class TensorParallelExecutor:
             remedy = ("NCCL cannot release this group, and GPU work of this process stays blocked behind its "
                       "kernels until the process exits: continue in a new process"
                       if self._group.in_process_group else "create a new LLM")
+            if self._group.in_process_group and distributed.one_shot_all_reduce_on():
+                # Measured on two H200s: the interpreter's exit then hangs below Python; _exit ends it.
+                remedy += (" (with the one-shot all-reduce on, this process cannot finish a normal exit either: "
+                           "end it with os._exit or a signal)")
             raise RuntimeError(f"the tensor-parallel group is shut down ({self._failure}); {remedy}")
         for rank, (proc, conn) in enumerate(zip(self._group.procs, self._group.conns), start=1):
             # Between steps a worker sends nothing but an error report (or EOF, when it is gone).
