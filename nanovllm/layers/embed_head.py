@@ -4,6 +4,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from nanovllm.distributed import all_gather_last_dim, all_reduce, tp_rank, tp_size
+from nanovllm.layers.cpu_linear import packed_linear
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -31,11 +32,16 @@ class VocabParallelEmbedding(nn.Module):
 
 
 class ParallelLMHead(VocabParallelEmbedding):
+    packed_weight: torch.Tensor | None = None  # as LinearBase's (layers/cpu_linear.py)
+
     def forward(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """out: [T, vocab_size] buffer to write the logits into (a CUDA graph's static output)."""
-        if out is not None and tp_size() == 1:
+        if self.packed_weight is not None:
+            logits = packed_linear(hidden, self.packed_weight, None)
+        elif out is not None and tp_size() == 1:
             return torch.mm(hidden, self.weight.t(), out=out)
-        logits = F.linear(hidden, self.weight)
+        else:
+            logits = F.linear(hidden, self.weight)
         if tp_size() > 1:
             logits = all_gather_last_dim(logits)
         logits = logits[..., :self.vocab_size]

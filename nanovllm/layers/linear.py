@@ -10,6 +10,7 @@ from torch import nn
 
 from nanovllm.distributed import all_reduce, tp_rank, tp_size
 from nanovllm.layers.activation import silu_and_mul
+from nanovllm.layers.cpu_linear import packed_linear
 
 
 def _divide(a: int, b: int) -> int:
@@ -19,6 +20,9 @@ def _divide(a: int, b: int) -> int:
 
 
 class LinearBase(nn.Module):
+    # oneDNN's packed copy of the weight, which then replaces it (bf16 on the CPU: cpu_linear.py).
+    packed_weight: torch.Tensor | None = None
+
     def __init__(self, in_features: int, out_features: int, bias: bool, shard_dim: int | None):
         super().__init__()
         self.shard_dim = shard_dim  # 0: output dim split across ranks, 1: input dim, None: replicated
@@ -37,8 +41,14 @@ class LinearBase(nn.Module):
             loaded = loaded.narrow(dim, tp_rank() * size, size)
         param.data.copy_(loaded)
 
+    def library_linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """x @ W^T (+ bias) by the library: oneDNN with the packed weight, else F.linear."""
+        if self.packed_weight is not None:
+            return packed_linear(x, self.packed_weight, bias)
+        return F.linear(x, self.weight, bias)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return self.library_linear(x, self.bias)
 
 
 class ReplicatedLinear(LinearBase):
@@ -69,7 +79,7 @@ class ColumnParallelLinear(LinearBase):
         if config is not None:
             from nanovllm.kernels.gemm import dense_linear
             return dense_linear(x, self.weight, config)
-        return F.linear(x, self.weight, self.bias)
+        return self.library_linear(x, self.bias)
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
@@ -87,7 +97,7 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         if config is not None:
             from nanovllm.kernels.gemm import gated_linear
             return gated_linear(x, self.weight, config)
-        return silu_and_mul(F.linear(x, self.weight, self.bias))
+        return silu_and_mul(self.library_linear(x, self.bias))
 
     def weight_loader(self, param, loaded, shard_id: int):
         n = tp_size()
@@ -150,5 +160,5 @@ class RowParallelLinear(LinearBase):
             if parts is not None:
                 return parts
         # Bias is added once, after the reduction.
-        y = F.linear(x, self.weight, self.bias if tp_rank() == 0 else None)
+        y = self.library_linear(x, self.bias if tp_rank() == 0 else None)
         return all_reduce(y)

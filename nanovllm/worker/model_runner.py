@@ -11,6 +11,7 @@ from nanovllm.distributed import (broadcast_from_rank0, enable_one_shot_all_redu
                                   tp_rank, tp_size)
 from nanovllm.engine.scheduler import ScheduledBatch
 from nanovllm.engine.sequence import Sequence
+from nanovllm.layers.cpu_linear import pack_linear_weights
 from nanovllm.layers.sampler import LogprobsLists, Sampler, SamplerOutput
 from nanovllm.models.loader import build_model, init_dummy_weights, load_weights
 from nanovllm.worker.gemm_warmup import warm_gemms
@@ -83,6 +84,8 @@ class ModelRunner:
             init_dummy_weights(self.model, config.seed)
         else:
             load_weights(self.model, config.model)
+        if self.device.type == "cpu":
+            pack_linear_weights(self.model)  # bf16: oneDNN's layout once, not at every product
         self.sampler = Sampler()
         self.backend = get_attention_backend(config.attention_backend, self.device)
         self.num_kv_heads, self.head_dim = self.model.kv_cache_shape()
