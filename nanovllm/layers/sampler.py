@@ -111,7 +111,7 @@ def _vocab_ids(vocab_size: int, device: torch.device) -> torch.Tensor:
     key = (vocab_size, device)
     ids = _arange_cache.get(key)
     if ids is None:
-        ids = _arange_cache[key] = torch.arange(vocab_size, device=device, dtype=torch.int64)
+        ids = _arange_cache[key] = torch.arange(vocab_size, device=device, dtype=torch.int32)
     return ids
 
 
@@ -124,26 +124,55 @@ _SERIES_BELOW = 1.0 / 32  # the series' relative error there is below 2^-22
 
 
 def exponential_from_bits(bits: torch.Tensor) -> torch.Tensor:
-    """Exp(1) draws from uniform uint32 hashes (in int64), as float32 in (0, 17).
+    """Exp(1) draws from uniform uint32 hashes (int64 values, or int32 bit patterns), as float32 in
+    (0, 17).
 
     E = -log(1 - w) with w = (k + 0.5) / 2^23, k the top 23 bits: w is exact in float32 and never 0
     or 1, and the small E that win the race (w near 0) come from a series rather than from the log
     of a number that rounds to 1. (`u = (k + 0.5) / 2^24` rounded k = 2^24 - 1 to u = 1, E = -0.0:
     in ~1% of the rows the Gumbel form -log(E) made one token win regardless of its probability.)"""
-    w = ((bits >> 9).to(torch.float32) + 0.5) * (1.0 / (1 << 23))
-    series = w * (1.0 + w * (0.5 + w * (1.0 / 3.0 + w * 0.25)))  # -log(1 - w) to ~w^5 / 5
-    return torch.where(w < _SERIES_BELOW, series, -torch.log(1.0 - w))
+    # The mask makes the shift logical for int32 bit patterns. In place from here: on the CPU
+    # every fresh [B, V] tensor costs page faults as well as its pass.
+    w = ((bits >> 9) & 0x7FFFFF).to(torch.float32).add_(0.5).mul_(1.0 / (1 << 23))
+    # -log(1 - w) to ~w^5 / 5, as w * (1 + w * (1/2 + w * (1/3 + w / 4))).
+    series = (w * 0.25).add_(1.0 / 3.0).mul_(w).add_(0.5).mul_(w).add_(1.0).mul_(w)
+    return series.where(w < _SERIES_BELOW, torch.rsub(w, 1.0).log_().neg_())
+
+
+def _to_int32(x: torch.Tensor) -> torch.Tensor:
+    """uint32 values held in int64 -> the same bits as int32."""
+    return (x - ((x >> 31) << 32)).to(torch.int32)
+
+
+_C1, _C2 = 0x85EBCA6B - (1 << 32), 0xC2B2AE35 - (1 << 32)  # murmur3's constants as int32
+
+
+def _mix32_int32_(x: torch.Tensor) -> torch.Tensor:
+    """`_mix32` in place on int32 bit patterns: products wrap modulo 2^32 as uint32 ones do, and
+    each shift is masked to be logical. Half the bytes of the int64 form, no fresh tensors."""
+    x ^= (x >> 16) & 0xFFFF
+    x *= _C1
+    x ^= (x >> 13) & 0x7FFFF
+    x *= _C2
+    x ^= (x >> 16) & 0xFFFF
+    return x
 
 
 def _noise_bits(keys: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
-    """[F, K] hashes of the token ids of each row ([F] keys, [F, K] or [1, K] ids)."""
-    return _mix32(_mix32(keys[:, None] ^ token_ids) ^ (keys[:, None] >> 7))
+    """[F, K] hashes (int32 bit patterns) of the token ids of each row ([F] int64 keys, [F, K] or
+    [1, K] ids): `_mix32(_mix32(key ^ id) ^ (key >> 7))`, as kernels/sample.py computes it."""
+    keys = _to_int32(keys)[:, None]
+    x = _mix32_int32_(keys ^ token_ids.to(torch.int32))
+    x ^= (keys >> 7) & 0x1FFFFFF
+    return _mix32_int32_(x)
 
 
-def exponential_noise(seeds: torch.Tensor, offsets: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    """[B, V] float32 Exp(1) draws determined by (seed, offset, token id) alone."""
+def exponential_noise(seeds: torch.Tensor, offsets: torch.Tensor, vocab_size: int,
+                      keys: torch.Tensor | None = None) -> torch.Tensor:
+    """[B, V] float32 Exp(1) draws determined by (seed, offset, token id) alone (keys: their
+    `row_keys`, if already computed)."""
     cols = _vocab_ids(vocab_size, seeds.device)
-    return exponential_from_bits(_noise_bits(row_keys(seeds, offsets), cols[None, :]))
+    return exponential_from_bits(_noise_bits(row_keys(seeds, offsets) if keys is None else keys, cols[None, :]))
 
 
 def _token_counts(tokens: torch.Tensor, lens: torch.Tensor, vocab_size: int) -> torch.Tensor:
@@ -288,7 +317,7 @@ class Sampler(nn.Module):
         if x.is_cuda:
             from nanovllm.kernels.sample import sample_rows
             return sample_rows(x, (meta.temperatures > 0).float(), keys)
-        noise = exponential_noise(meta.seeds, meta.offsets, x.shape[-1])
+        noise = exponential_noise(meta.seeds, meta.offsets, x.shape[-1], keys)
         sampled = x.softmax(dim=-1).div_(noise).argmax(dim=-1)
         return sampled if meta.all_random else torch.where(meta.temperatures > 0, sampled, greedy)
 
