@@ -34,6 +34,9 @@ class AttentionMetadata:
     # [num_tokens, Hq, D]: where the model's rotary kernels write q, so that attention between two
     # piecewise CUDA graphs (worker/piecewise_graph.py) finds it at a fixed address. None: fresh memory.
     q_out: torch.Tensor | None = None
+    # The torch backend's decode layout for this step (cache rows to gather, key mask), built by the
+    # first layer that needs it and reused by the others: the same for every layer of a step.
+    decode_gather: tuple[torch.Tensor, torch.Tensor] | None = None
 
     @property
     def num_decode_tokens(self) -> int:

@@ -9,7 +9,7 @@ def gather_context(cache: torch.Tensor, block_table: torch.Tensor, length: int) 
     """The first `length` cached tokens of one sequence: [length, Hkv, D]."""
     block_size = cache.shape[1]
     num_blocks = -(-length // block_size)
-    return cache[block_table[:num_blocks]].flatten(0, 1)[:length]
+    return cache.index_select(0, block_table[:num_blocks]).flatten(0, 1)[:length]
 
 
 class TorchAttentionBackend(AttentionBackend):
@@ -50,15 +50,18 @@ class TorchAttentionBackend(AttentionBackend):
         # of each KV head form the "query length" of one SDPA call: [B, Hkv, group, D], so GQA
         # needs no copy of the keys per query head.
         nd = meta.num_decodes
-        lens = meta.seq_lens[:nd]
-        max_len = max(meta.seq_lens_host[:nd])
         num_kv_blocks, block_size, hkv, d = k_cache.shape
-        pos = torch.arange(max_len, device=q.device)
-        tables = meta.block_tables[:nd, : -(-max_len // block_size)]
-        slots = tables[:, pos // block_size].long() * block_size + pos % block_size  # [B, S]
-        k = k_cache.view(-1, hkv, d)[slots]  # [B, S, Hkv, D]
-        v = v_cache.view(-1, hkv, d)[slots]
-        mask = (pos[None, :] < lens[:, None])[:, None, None, :]  # [B, 1, 1, S]
+        if meta.decode_gather is None:
+            max_len = max(meta.seq_lens_host[:nd])
+            pos = torch.arange(max_len, device=q.device)
+            tables = meta.block_tables[:nd, : -(-max_len // block_size)]
+            rows = (tables[:, pos // block_size].long() * block_size + pos % block_size).view(-1)  # [B * S]
+            mask = (pos[None, :] < meta.seq_lens[:nd, None])[:, None, None, :]  # [B, 1, 1, S]
+            meta.decode_gather = rows, mask
+        rows, mask = meta.decode_gather
+        # index_select copies whole rows: much faster on the CPU than advanced indexing by [B, S] slots.
+        k = k_cache.view(-1, hkv * d).index_select(0, rows).view(nd, -1, hkv, d)  # [B, S, Hkv, D]
+        v = v_cache.view(-1, hkv * d).index_select(0, rows).view(nd, -1, hkv, d)
         qg = q.reshape(nd, hkv, -1, d)  # query head h belongs to KV head h // group
         o = F.scaled_dot_product_attention(qg, k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask, scale=scale)
         return o.reshape(q.shape)
