@@ -149,7 +149,8 @@ _C1, _C2 = 0x85EBCA6B - (1 << 32), 0xC2B2AE35 - (1 << 32)  # murmur3's constants
 
 def _mix32_int32_(x: torch.Tensor) -> torch.Tensor:
     """`_mix32` in place on int32 bit patterns: products wrap modulo 2^32 as uint32 ones do, and
-    each shift is masked to be logical. Half the bytes of the int64 form, no fresh tensors."""
+    each shift is masked to be logical. Half the bytes of the int64 form, and only the shifts make
+    temporaries."""
     x ^= (x >> 16) & 0xFFFF
     x *= _C1
     x ^= (x >> 13) & 0x7FFFF
