@@ -50,6 +50,7 @@ async def one_request(client: httpx.AsyncClient, args, model: str, prompt: list[
             "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
     result = Result(prompt_len=len(prompt))
     start = last = result.sent = time.perf_counter()
+    first_choice = None  # when the first chunk with a choice came
     try:
         async with client.stream("POST", "/v1/completions", json=body) as response:
             if response.status_code != 200:
@@ -64,6 +65,8 @@ async def one_request(client: httpx.AsyncClient, args, model: str, prompt: list[
                     return result
                 if data.get("usage"):
                     result.output_tokens = data["usage"]["completion_tokens"]
+                if first_choice is None and data.get("choices"):
+                    first_choice = time.perf_counter()
                 # A chunk per generated token counts, even with empty text (a model without a
                 # tokenizer, or text held back at a possible stop string); a bare final chunk does not.
                 if any(c.get("text") or (c.get("text") is not None and c.get("finish_reason") is None)
@@ -75,6 +78,10 @@ async def one_request(client: httpx.AsyncClient, args, model: str, prompt: list[
                         result.itl.append(now - last)
                     last = now
         result.latency = time.perf_counter() - start
+        if result.ttft == 0.0 and first_choice is not None:
+            # Every token came in the final chunk (a stream merged while the server was busy, its
+            # text empty or held back): the first token arrived with it.
+            result.ttft = first_choice - start
         result.ok = result.output_tokens > 0
         if not result.ok:
             result.error = "no usage in the stream"

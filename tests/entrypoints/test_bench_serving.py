@@ -39,3 +39,24 @@ def test_bench_serving_rejects_bad_arguments(capsys):
         else:
             raise AssertionError(f"{bad} was accepted")
     assert "must be >= 1" in capsys.readouterr().err
+
+
+def test_ttft_of_a_stream_merged_into_its_final_chunk():
+    """Under load a server may deliver a whole completion in its last chunk (finish_reason set, text
+    empty or held back): its first token arrived then, so TTFT is that chunk's time, not 0."""
+    import argparse
+    import asyncio
+
+    import httpx
+
+    chunks = [{"choices": [{"index": 0, "text": "", "finish_reason": "length"}]},
+              {"choices": [], "usage": {"completion_tokens": 5}}]
+    body = "".join(f"data: {json.dumps(c)}\n\n" for c in chunks) + "data: [DONE]\n\n"
+    transport = httpx.MockTransport(lambda request: httpx.Response(200, text=body))
+    args = argparse.Namespace(temperature=0.0)
+
+    async def run():
+        async with httpx.AsyncClient(transport=transport, base_url="http://test") as client:
+            return await bench_serving.one_request(client, args, "m", [1, 2, 3], 5)
+    result = asyncio.run(run())
+    assert result.ok and result.output_tokens == 5 and result.ttft > 0 and result.itl == []
