@@ -91,3 +91,18 @@ def test_engine_tokens_equal_without_packing(model_factory, monkeypatch, arch):
             assert any(getattr(m, "packed_weight", None) is not None for m in model.modules()) == packing
             runs.append([[o["token_ids"] for o in llm.generate(prompts, p, use_tqdm=False)] for p in params])
     assert runs[0] == runs[1]
+
+
+def test_a_packed_product_that_disagrees_keeps_the_plain_path(monkeypatch):
+    """Start-up checks the packed product against F.linear on a real weight: a oneDNN build whose
+    packed product differs (or fails) leaves every layer on F.linear."""
+    model = _randomize(ColumnParallelLinear(64, 64), torch.Generator().manual_seed(2))
+    real = cpu_linear.packed_linear
+    monkeypatch.setattr(cpu_linear, "packed_linear", lambda x, packed, bias: real(x, packed, bias) + 1)
+    assert cpu_linear.pack_linear_weights(model) == 0
+    assert model.packed_weight is None and model.weight.numel() == 64 * 64
+
+    def broken(x, packed, bias):
+        raise RuntimeError("no bf16 kernel")
+    monkeypatch.setattr(cpu_linear, "packed_linear", broken)
+    assert cpu_linear.pack_linear_weights(model) == 0
