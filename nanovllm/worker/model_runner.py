@@ -174,7 +174,10 @@ class ModelRunner:
         as it needs); before the first request any block will do."""
         from nanovllm.sampling_params import SamplingParams
         per_seq, blocks_per_seq = self._largest_step_layout(num_tokens, num_seqs)
-        seqs = [Sequence([0] * per_seq, SamplingParams(temperature=1.0), seed=i) for i in range(num_seqs)]
+        # The sampler's heaviest path: a full-vocabulary sort (top-p), penalties and logprobs hold
+        # several [rows, vocab] fp32 tensors at once, more than the plain draw's peak.
+        params = SamplingParams(temperature=1.0, top_p=0.9, repetition_penalty=1.1, logprobs=20)
+        seqs = [Sequence([0] * per_seq, params, seed=i) for i in range(num_seqs)]
         num_blocks = num_blocks or num_seqs * blocks_per_seq
         for i, seq in enumerate(seqs):
             seq.block_table = [b % num_blocks for b in range(i * blocks_per_seq, (i + 1) * blocks_per_seq)]
@@ -218,7 +221,26 @@ class ModelRunner:
         self._last_sampled, self._last_row_of_seq = None, {}
         warm_gemms(self.model, self.config.max_num_batched_tokens, self.config.max_num_seqs, self.device,
                    self.config.torch_dtype)
+        self._warm_sampler()
         torch.cuda.synchronize(self.device)
+
+    # The eager sampler's paths (top-k, top-k + top-p, a full sort, min-p, penalties, logprobs, min_tokens
+    # bans) use library kernels the plain draw does not; CUDA loads each on its first call (~0.2 s for a
+    # top-p batch, measured in bench.py's timed run), which would otherwise land in a request's step.
+    _WARM_SAMPLING = ({"top_k": 50}, {"top_k": 50, "top_p": 0.9}, {"top_p": 0.9}, {"min_p": 0.1},
+                      {"repetition_penalty": 1.1, "presence_penalty": 0.5, "frequency_penalty": 0.5},
+                      {"logprobs": 5}, {"min_tokens": 4, "stop_token_ids": [1]})
+
+    def _warm_sampler(self):
+        from nanovllm.sampling_params import SamplingParams
+        vocab = self.config.hf_config.vocab_size
+        most = self.config.max_num_seqs
+        for rows in sorted({1, min(16, most), most}):  # library kernels pick their variant by row count
+            logits = torch.randn(rows, vocab, device=self.device).to(self.config.torch_dtype)
+            for extra in self._WARM_SAMPLING:
+                seqs = [Sequence([1, 2, 3], SamplingParams(temperature=0.8, **extra), seed=i) for i in range(rows)]
+                meta = build_sampling_metadata(seqs, self.device, self.eos_token_ids, vocab, stage=self.stage)
+                self.sampler.sample(logits, meta)
 
     # ---- one step -----------------------------------------------------------------------
     @torch.inference_mode()

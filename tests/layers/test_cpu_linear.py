@@ -86,7 +86,7 @@ def test_engine_tokens_equal_without_packing(model_factory, monkeypatch, arch):
     for packing in (True, False):
         if not packing:
             monkeypatch.setattr(cpu_linear, "packing_available", lambda dtype: False)
-        with LLM(path, dtype="bfloat16", max_model_len=256) as llm:
+        with LLM(path, dtype="bfloat16", max_model_len=256, device="cpu") as llm:  # packing is CPU-only
             model = llm.engine.model_runner.model
             assert any(getattr(m, "packed_weight", None) is not None for m in model.modules()) == packing
             runs.append([[o["token_ids"] for o in llm.generate(prompts, p, use_tqdm=False)] for p in params])

@@ -1,7 +1,8 @@
 """The top-k candidate draw (rows whose every filter is bounded by top_k) against the full path."""
+import pytest
 import torch
 
-from nanovllm.layers.sampler import _gumbel, _sample_top_k, _top_k_top_p, exponential_noise, row_keys
+from nanovllm.layers.sampler import _gumbel, _noise_bits, _sample_top_k, _top_k_top_p, exponential_noise, row_keys
 
 
 def test_candidate_draw_equals_full_vocabulary_draw():
@@ -31,3 +32,32 @@ def test_candidate_draw_distribution():
     expected = torch.zeros(6)
     expected[:3] = logits[:3].softmax(-1)
     assert (freq - expected).abs().sum() / 2 < 0.02  # total variation
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_gpu_candidate_noise_and_draw_equal_the_cpu_and_the_kernel():
+    """On the GPU the int32 hash (wrapping products, masked shifts) gives the CPU's bits, the
+    candidate draw the CPU's tokens, and both agree with the sampling kernel's full-vocabulary draw
+    over the same top-k, apart from rows whose two best scores tie within the kernel's log error."""
+    g = torch.Generator().manual_seed(3)
+    rows, vocab, k = 256, 20000, 50
+    x = torch.randn(rows, vocab, generator=g) * 3
+    top_k = torch.randint(1, k + 1, (rows,), generator=g)
+    seeds = torch.randint(0, 2**62, (rows,), generator=g)
+    offsets = torch.randint(0, 500, (rows,), generator=g)
+    keys = row_keys(seeds, offsets)
+    ids = torch.randint(0, vocab, (rows, k), generator=g)
+    from nanovllm.kernels.sample import sample_rows
+    cuda = torch.device("cuda")
+    assert torch.equal(_noise_bits(keys.to(cuda), ids.to(cuda)).cpu(), _noise_bits(keys, ids))
+    torch.testing.assert_close(_gumbel(keys.to(cuda), ids.to(cuda)).cpu(), _gumbel(keys, ids), rtol=1e-6, atol=1e-6)
+
+    on_cpu = _sample_top_k(x, top_k, None, k, keys)
+    on_gpu = _sample_top_k(x.to(cuda), top_k.to(cuda), None, k, keys.to(cuda)).cpu()
+    kernel = sample_rows(_top_k_top_p(x.to(cuda), top_k.to(cuda), None, k), torch.ones(rows, device=cuda),
+                         keys.to(cuda)).cpu()
+    scores = x.double() - exponential_noise(seeds, offsets, vocab).double().log()
+    for tokens in (on_gpu, kernel):
+        differ = (tokens != on_cpu).nonzero().flatten()
+        gaps = (scores[differ, on_cpu[differ]] - scores[differ, tokens[differ]]).abs()
+        assert len(differ) <= 2 and bool((gaps < 1e-4).all()), (differ, gaps)
