@@ -5,7 +5,9 @@
 set -uo pipefail
 OUTDIR=${1:-${OUT:-/tmp/nanovllm-gpu}}
 mkdir -p "$OUTDIR"
-python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl || exit 1
+# EXTRA_WHEELS=DIR adds that folder's wheels (e.g. uvloop and httptools, which uvicorn then uses).
+rm -rf /tmp/site
+python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl ${EXTRA_WHEELS:+$EXTRA_WHEELS/*.whl} || exit 1
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
 model=$(mktemp -d)
 cp benchmarks/configs/qwen3-0.6b.json "$model/config.json"  # random bf16 weights, no tokenizer
@@ -22,7 +24,7 @@ run() {  # the engine_* counters are cumulative: compare them before and after a
   metrics
 }
 # Four client processes at concurrency 256: one Python client parsing 256 streams can be the limit.
-c256() { run --num-prompts 512 --concurrency 256 --input-len 100:1024 --output-len 100:1024 --processes 4 \
+c256() { run --num-prompts 512 --concurrency 256 --input-len 100:1024 --output-len 100:1024 --processes ${CLIENT_PROCESSES:-4} \
            --json-out "$OUTDIR/serving_c256.json"; }
 [ -n "${ONLY_C256:-}" ] && { c256; kill -TERM $server; wait $server; exit $status; }
 c256

@@ -7,8 +7,11 @@ for the interpreter lock while the HTTP side encodes hundreds of streams: on the
 concurrent streams, a thread's step took ~16 ms against ~6 ms offline (BENCHMARKS.md).
 
 Callers talk to the core through a thread-safe command queue (add, abort, abort all, stop); a
-writer forwards commands to the process's pipe, a reader takes the core's per-pass event lists and
-hands them to the requesters' event loops, one wake-up per loop and pass (`call_soon_threadsafe`).
+writer forwards commands to the process's pipe, a reader takes the core's event lists and hands
+them to the requesters' event loops, one wake-up per loop and read (`call_soon_threadsafe`). In the
+engine process a sender thread writes the events (`_PipeOutbox`), so the engine never waits for a
+server that is busy encoding streams; the passes that queue up meanwhile go out as one message
+with one output per request.
 Requests answer through asyncio futures (`accepted`) and queues (outputs).
 """
 import asyncio
@@ -23,7 +26,8 @@ import uuid
 
 from nanovllm.config import Config
 from nanovllm.engine.engine_core import EngineCore
-from nanovllm.engine.request_output import CompletionOutput, EngineStats, RequestOutput, RequestRejected
+from nanovllm.engine.request_output import (CompletionOutput, EngineStats, RequestOutput, RequestRejected,
+                                             coalesce_outputs)
 from nanovllm.sampling_params import SamplingParams
 
 __all__ = ["AsyncLLMEngine", "CompletionOutput", "EngineStats", "RequestHandle", "RequestOutput", "RequestRejected"]
@@ -233,12 +237,22 @@ class AsyncLLMEngine:
                 pass
 
     def _read_events(self):
-        """Reader thread (process mode): the core's event lists, until the process goes away."""
-        try:
-            while True:
-                self._dispatch(self._conn.recv())
-        except (EOFError, OSError):
-            pass
+        """Reader thread (process mode): the core's event lists, until the process goes away. Lists
+        that queued up in the pipe while this thread waited for the interpreter lock are taken in
+        one dispatch, so the reader keeps pace with the core however busy the event loop is."""
+        conn = self._conn
+        closed = False
+        while not closed:
+            try:
+                events = conn.recv()
+            except (EOFError, OSError):
+                break
+            try:
+                while conn.poll():
+                    events += conn.recv()
+            except (EOFError, OSError):  # what came before the end is still delivered
+                closed = True
+            self._dispatch(events)
         if not self._ready.is_set():
             self._startup_error = RuntimeError("the engine process exited while loading the model")
             self._ready.set()
@@ -318,22 +332,65 @@ class _PipeInbox:
         return self.get()
 
 
+class _PipeOutbox:
+    """The core's events in the engine process: the loop hands each pass's events over and goes on;
+    a sender thread writes them to the pipe, all passes that queued up since its last write as one
+    message with one output per request (`coalesce_outputs`). The loop never waits for the server
+    (writing in the loop blocked it for 31% of a run on the H200 at 256 streams while the GPU
+    idled), and a server that falls behind gets fewer, larger outputs instead of a growing backlog
+    (BENCHMARKS.md, "Serving")."""
+
+    _FLUSH_TIMEOUT_S = 10.0  # at exit: how long the last events may wait for a reader
+
+    def __init__(self, conn):
+        self.conn = conn
+        self._pending: list[list] = []
+        self._closed = False
+        self._wakeup = threading.Condition()
+        self._sender = threading.Thread(target=self._send_all, name="nanovllm-engine-sender", daemon=True)
+        self._sender.start()
+
+    def emit(self, events: list):
+        with self._wakeup:
+            self._pending.append(events)
+            self._wakeup.notify()
+
+    def _send_all(self):
+        while True:
+            with self._wakeup:
+                while not self._pending and not self._closed:
+                    self._wakeup.wait()
+                if not self._pending:
+                    return
+                passes, self._pending = self._pending, []
+            events = coalesce_outputs(passes)
+            try:
+                data = pickle.dumps(events, protocol=pickle.HIGHEST_PROTOCOL)
+            except (pickle.PicklingError, TypeError, AttributeError):
+                # An exception that does not pickle (startup errors can be anything): send its text.
+                data = pickle.dumps([(e[0], RuntimeError(f"{type(e[1]).__name__}: {e[1]}"))
+                                     if e[0] == "startup_error" else e for e in events])
+            try:
+                self.conn.send_bytes(data)
+            except OSError:  # the parent is gone; the inbox reads EOF next and the loop stops
+                return
+
+    def close(self):
+        """Send what is queued (the last outputs, a "dead" event), unless nobody reads any more."""
+        with self._wakeup:
+            self._closed = True
+            self._wakeup.notify()
+        self._sender.join(self._FLUSH_TIMEOUT_S)
+
+
 def _engine_process_main(conn, config: Config, engine_factory, log_level: int):
     """The engine process: one EngineCore over the pipe. Ctrl-C reaches the whole process group;
     the parent decides how to shut down, so SIGINT is ignored here."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     logging.basicConfig(level=log_level, format="%(levelname)s %(asctime)s %(name)s: %(message)s")
-
-    def emit(events):
-        try:
-            try:
-                conn.send(events)
-            except (pickle.PicklingError, TypeError, AttributeError):
-                # An exception that does not pickle (startup errors can be anything): send its text.
-                conn.send([(e[0], RuntimeError(f"{type(e[1]).__name__}: {e[1]}"))
-                           if e[0] == "startup_error" else e for e in events])
-        except OSError:  # the parent is gone; the inbox reads EOF next and the loop stops
-            pass
-
-    EngineCore(config, _PipeInbox(conn), emit, engine_factory).run()
-    conn.close()
+    outbox = _PipeOutbox(conn)
+    try:
+        EngineCore(config, _PipeInbox(conn), outbox.emit, engine_factory).run()
+    finally:
+        outbox.close()
+        conn.close()

@@ -68,7 +68,7 @@ class EngineCore:
         self._tracked: dict[str, _Tracked] = {}
         self._events: list = []
         self._consecutive_errors = 0
-        self._timing = [0, 0.0, 0.0]  # steps, seconds in engine.step(), seconds in _collect()
+        self._timing = [0, 0.0, 0.0, 0.0]  # steps, seconds in engine.step(), in _collect(), in emit
 
     def run(self):
         """Build the engine, then serve until told to stop (or the engine breaks)."""
@@ -287,7 +287,9 @@ class EngineCore:
         events, self._events = self._events, []
         # A pass with nothing but fresh stats says nothing new: skip it (an idle loop stays silent).
         if any(event[0] != "stats" for event in events):
+            start = time.perf_counter()
             self._emit(events)
+            self._timing[3] += time.perf_counter() - start
 
 
 def _finished(seq: Sequence, now: float, aborted: bool = False) -> FinishedSequence:

@@ -25,6 +25,13 @@ class CompletionOutput:
     stop_reason: int | str | None = None
     num_tokens: int = 0  # completion tokens generated so far (for usage)
 
+    def followed_by(self, later: "CompletionOutput") -> "CompletionOutput":
+        """This delta and the next one of the same sequence, as one delta."""
+        logprobs = None if self.logprobs is None and later.logprobs is None else \
+            (self.logprobs or []) + (later.logprobs or [])
+        return CompletionOutput(self.index, self.text + later.text, self.token_ids + later.token_ids, logprobs,
+                                later.finish_reason, later.stop_reason, later.num_tokens)
+
 
 @dataclass
 class RequestOutput:
@@ -34,6 +41,40 @@ class RequestOutput:
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
     error: RequestRejected | None = None  # the request failed (and is gone from the engine)
+
+    def followed_by(self, later: "RequestOutput") -> "RequestOutput":
+        """This streamed output and the next one of the same request, as one (a failure ends it:
+        the later output then stands alone)."""
+        if later.error is not None:
+            return later
+        outputs = {o.index: o for o in self.outputs}
+        for o in later.outputs:
+            outputs[o.index] = outputs[o.index].followed_by(o) if o.index in outputs else o
+        return RequestOutput(self.request_id, list(outputs.values()), later.finished, later.num_prompt_tokens,
+                             later.num_cached_tokens)
+
+
+def coalesce_outputs(passes: list[list]) -> list:
+    """Several passes' event lists as one, each request's outputs merged into one at the place of
+    its last: what a server that fell behind by several passes needs to send (a chunk per stream,
+    not one per pass). Other events keep their order."""
+    if len(passes) == 1:
+        return passes[0]
+    events = [event for events in passes for event in events]
+    last = {event[1]: i for i, event in enumerate(events) if event[0] == "output"}
+    merged, out = {}, []
+    for i, event in enumerate(events):
+        if event[0] != "output":
+            out.append(event)
+            continue
+        request_id = event[1]
+        sofar = merged.pop(request_id, None)
+        output = event[2] if sofar is None else sofar.followed_by(event[2])
+        if last[request_id] == i:
+            out.append(("output", request_id, output))
+        else:
+            merged[request_id] = output
+    return out
 
 
 @dataclass
@@ -46,8 +87,10 @@ class EngineStats:
     prefix_cache_hits: int = 0
     num_preemptions: int = 0
     # Where the engine loop's time goes (wall seconds since start): steps taken, stepping the engine,
-    # turning step results into per-request outputs. A step time far above the offline step time
-    # means the loop waits for something else (e.g. the interpreter lock, on a thread).
+    # turning step results into per-request outputs, handing each pass's events to the front end
+    # (in process mode: pickling them for the sender thread). A step time far above the offline
+    # step time means the loop waits for something else (e.g. the interpreter lock, on a thread).
     engine_steps: int = 0
     step_seconds: float = 0.0
     collect_seconds: float = 0.0
+    emit_seconds: float = 0.0

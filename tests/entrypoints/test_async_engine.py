@@ -202,3 +202,35 @@ time.sleep(60)
         assert not alive, "the engine process outlived its killed parent"
     finally:
         parent.kill()
+
+
+def test_engine_process_outbox_never_blocks_and_merges_what_the_reader_missed():
+    """The engine loop hands its passes over without waiting for the reader; passes that queued up
+    while nobody read arrive merged (one output per request), with every token in order."""
+    import multiprocessing
+    import pickle
+
+    from nanovllm.engine.async_engine import _PipeOutbox
+    from nanovllm.engine.request_output import CompletionOutput, RequestOutput
+
+    reader, writer = multiprocessing.Pipe()
+    outbox = _PipeOutbox(writer)
+    passes, width = 400, 64
+    start = time.perf_counter()
+    for step in range(passes):  # far more than the pipe holds: nobody reads yet
+        outbox.emit([("output", f"r{i}", RequestOutput(f"r{i}", [CompletionOutput(0, "x" * 200, [step], None)]))
+                     for i in range(width)])
+    assert time.perf_counter() - start < 5.0
+    received = {f"r{i}": [] for i in range(width)}
+    messages = 0
+    while sum(map(len, received.values())) < passes * width:
+        events = pickle.loads(reader.recv_bytes())
+        messages += 1
+        seen = set()
+        for kind, request_id, output in events:
+            assert kind == "output" and request_id not in seen  # one output per request and message
+            seen.add(request_id)
+            received[request_id] += output.outputs[0].token_ids
+    assert all(ids == list(range(passes)) for ids in received.values())
+    assert messages < passes
+    outbox.close()

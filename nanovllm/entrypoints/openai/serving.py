@@ -279,7 +279,7 @@ class _Job:
                 self.last[out.request_id] = out
                 for output in out.outputs:
                     key = (out.request_id, output.index)
-                    merged[key] = _merge(merged[key], output) if key in merged else output
+                    merged[key] = merged[key].followed_by(output) if key in merged else output
                 if out.finished:
                     pending.discard(out.request_id)
             for (request_id, _), output in merged.items():
@@ -304,13 +304,6 @@ async def _stream_or_collect(req, job: "_Job", handles: list[RequestHandle], out
         return _sse(chunks(job, out_queue, include_usage), handles)
     finals = await _collect(handles, out_queue, raw)
     return Response(status_code=499) if finals is None else finals
-
-
-def _merge(a: CompletionOutput, b: CompletionOutput) -> CompletionOutput:
-    """Two consecutive deltas of one sequence as one."""
-    logprobs = None if a.logprobs is None and b.logprobs is None else (a.logprobs or []) + (b.logprobs or [])
-    return CompletionOutput(a.index, a.text + b.text, a.token_ids + b.token_ids, logprobs,
-                            b.finish_reason, b.stop_reason, b.num_tokens)
 
 
 def _abort(handles: list[RequestHandle]):
