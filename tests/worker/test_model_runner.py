@@ -29,3 +29,17 @@ def test_engine_freezes_its_start_up_heap_until_shutdown(model_factory):
         assert gc.get_freeze_count() > 0  # out of the collector's reach while the engine runs
         _generate(llm)
     assert gc.get_freeze_count() == 0
+
+
+def test_sampler_warm_up_takes_every_eager_path_and_leaves_no_state_behind(model_factory):
+    """The start-up run of the eager sampler's paths (on a GPU, where CUDA loads each library kernel
+    on its first call) accepts its parameter sets, none of them the plain draw, and changes no later
+    output."""
+    from nanovllm.worker.model_runner import ModelRunner
+    assert not any(SamplingParams(temperature=0.8, **extra).plain for extra in ModelRunner._WARM_SAMPLING)
+    path = model_factory("qwen3")
+    with LLM(path, **KWARGS) as llm:
+        expect = _generate(llm)
+    with LLM(path, **KWARGS) as llm:
+        llm.engine.model_runner._warm_sampler()
+        assert _generate(llm) == expect
