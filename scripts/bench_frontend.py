@@ -1,0 +1,163 @@
+"""The server's host side alone: `nanovllm serve` (HTTP front end, engine process, engine loop,
+scheduler, output processing) with the model replaced by a device of fixed speed, driven by
+`bench_serving.py`. Throughput, TTFT and ITL then measure what the host can keep up with, on any
+machine, without a GPU.
+
+The stand-in device runs steps back to back, each `--step-ms` (+ `--prefill-us` per prefill token),
+and samples token 7 for every row that samples; the engine overlaps its host work with the device as
+on a GPU (it launches step N, then reads step N-1's tokens, waiting for them if the device is not done).
+
+  python scripts/bench_frontend.py --concurrency 256 --num-prompts 512 --step-ms 5
+
+Defaults: the GPU serving benchmark's workload (`scripts/gpu_serving.sh`: inputs and outputs of
+100-1024 tokens, token ids below 10,000, no tokenizer) at the H200's speed for Qwen3-0.6B (~5 ms per
+decode step at 256 sequences, ~1.9 us per prefill token).
+"""
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+from nanovllm.engine.llm_engine import LLMEngine  # noqa: E402
+
+# A Qwen3 small enough that its CPU start-up and KV cache cost nothing: the stand-in device never
+# runs it. The vocabulary covers the prompts' token ids.
+TINY_QWEN3 = {
+    "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "vocab_size": 10000, "hidden_size": 64,
+    "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+    "head_dim": 32, "max_position_embeddings": 4096, "rms_norm_eps": 1e-6, "rope_theta": 1000000.0,
+    "tie_word_embeddings": True, "torch_dtype": "bfloat16", "eos_token_id": 0,
+}
+
+
+class _Sampled:
+    """A step's output as LLMEngine reads it: its sampling rows, and their tokens once the stand-in
+    device has finished the step."""
+
+    def __init__(self, seqs, ready_at: float):
+        self.seqs, self.ready_at = seqs, ready_at
+
+    def token_ids(self) -> list[int]:
+        wait = self.ready_at - time.perf_counter()
+        if wait > 0:
+            time.sleep(wait)
+        return [7] * len(self.seqs)
+
+    def logprobs(self):
+        return None
+
+
+class StandInDeviceEngine(LLMEngine):
+    """The real engine with `ModelRunner.execute` replaced by a device of fixed speed."""
+    step_s = 0.005
+    prefill_s_per_token = 1.9e-6
+
+    def __init__(self, config):
+        super().__init__(config)
+        self.overlap = True  # as on a GPU: launch step N, then read step N-1
+        self._device_free_at = 0.0
+        self.model_runner.execute = self._execute
+
+    def _execute(self, batch):
+        seqs = [seq for i, seq in enumerate(batch.seqs) if batch.samples(i)]
+        prefill_tokens = batch.num_tokens - batch.num_decodes
+        start = max(time.perf_counter(), self._device_free_at)
+        self._device_free_at = start + self.step_s + prefill_tokens * self.prefill_s_per_token
+        return _Sampled(seqs, self._device_free_at)
+
+
+def _make_engine(step_s: float, prefill_s_per_token: float):
+    """An engine factory for the engine process (spawned: module-level, picklable)."""
+    return _Factory(step_s, prefill_s_per_token)
+
+
+class _Factory:
+    def __init__(self, step_s, prefill_s_per_token):
+        self.step_s, self.prefill_s_per_token = step_s, prefill_s_per_token
+
+    def __call__(self, config):
+        StandInDeviceEngine.step_s = self.step_s
+        StandInDeviceEngine.prefill_s_per_token = self.prefill_s_per_token
+        return StandInDeviceEngine(config)
+
+
+def serve(args):
+    import uvicorn
+
+    from nanovllm.config import Config
+    from nanovllm.engine.async_engine import AsyncLLMEngine
+    from nanovllm.entrypoints.openai.api_server import build_app
+    from nanovllm.entrypoints.openai.metrics import ServerMetrics
+
+    config = Config(args.model_dir, load_format="dummy", device="cpu", max_num_seqs=args.max_num_seqs,
+                    max_model_len=4096, num_kvcache_blocks=args.max_num_seqs * 8 + 64)
+    metrics = ServerMetrics("stand-in")
+    engine = AsyncLLMEngine(config, listener=metrics,
+                            engine_factory=_make_engine(args.step_ms / 1e3, args.prefill_us / 1e6))
+    engine.start()
+    uvicorn.run(build_app(engine, ["stand-in"], metrics), host="127.0.0.1", port=args.port, log_level="warning")
+
+
+def _get(url: str) -> str:
+    with urllib.request.urlopen(url, timeout=5) as response:
+        return response.read().decode()
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--step-ms", type=float, default=5.0, help="the stand-in device's time per step")
+    p.add_argument("--prefill-us", type=float, default=1.9, help="its extra time per prefill token")
+    p.add_argument("--max-num-seqs", type=int, default=256)
+    p.add_argument("--concurrency", type=int, default=256)
+    p.add_argument("--num-prompts", type=int, default=512)
+    p.add_argument("--input-len", default="100:1024")
+    p.add_argument("--output-len", default="100:1024")
+    p.add_argument("--processes", type=int, default=1, help="client processes")
+    p.add_argument("--port", type=int, default=8017)
+    p.add_argument("--json-out", default=None)
+    p.add_argument("--serve", dest="model_dir", default=None, help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.model_dir is not None:
+        return serve(args)
+
+    with tempfile.TemporaryDirectory() as model_dir:
+        with open(os.path.join(model_dir, "config.json"), "w") as f:
+            json.dump(TINY_QWEN3, f)
+        server = subprocess.Popen([sys.executable, os.path.abspath(__file__), "--serve", model_dir,
+                                   "--port", str(args.port), "--max-num-seqs", str(args.max_num_seqs),
+                                   "--step-ms", str(args.step_ms), "--prefill-us", str(args.prefill_us)])
+        base = f"http://127.0.0.1:{args.port}"
+        try:
+            for _ in range(120):
+                try:
+                    _get(base + "/health")
+                    break
+                except OSError:
+                    if server.poll() is not None:
+                        raise SystemExit("the server exited during start-up")
+                    time.sleep(0.5)
+            root = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
+            client = [sys.executable, os.path.join(root, "bench_serving.py"), "--base-url", base,
+                      "--vocab-size", "10000", "--num-prompts", str(args.num_prompts),
+                      "--concurrency", str(args.concurrency), "--input-len", args.input_len,
+                      "--output-len", args.output_len, "--processes", str(args.processes)]
+            if args.json_out:
+                client += ["--json-out", args.json_out]
+            status = subprocess.call(client)
+            for line in _get(base + "/metrics").splitlines():
+                if line.startswith("nanovllm:engine_") or "_seconds_sum" in line:
+                    print(line.split("{")[0], line.rsplit(" ", 1)[1])
+        finally:
+            server.terminate()
+            server.wait(30)
+    return status
+
+
+if __name__ == "__main__":
+    sys.exit(main())
