@@ -88,8 +88,9 @@ class EngineStats:
     num_preemptions: int = 0
     # Where the engine loop's time goes (wall seconds since start): steps taken, stepping the engine,
     # turning step results into per-request outputs, handing each pass's events to the front end
-    # (in process mode: pickling them for the sender thread). A step time far above the offline
-    # step time means the loop waits for something else (e.g. the interpreter lock, on a thread).
+    # (in process mode: to the sender thread, so it stays near 0; were it to grow, the engine would
+    # be waiting for the server). A step time far above the offline step time means the loop waits
+    # for something else (e.g. the interpreter lock, on a thread).
     engine_steps: int = 0
     step_seconds: float = 0.0
     collect_seconds: float = 0.0

@@ -126,7 +126,7 @@ class ServerMetrics:
                "Wall time of the engine loop turning step results into per-request outputs.",
                [sample("engine_collect_seconds_total", stats.collect_seconds)])
         metric("engine_emit_seconds_total", "counter",
-               "Wall time of the engine loop handing its outputs to the server (pickling them, in process mode).",
+               "Wall time of the engine loop handing its outputs over to the server.",
                [sample("engine_emit_seconds_total", stats.emit_seconds)])
         with self._lock:
             metric("prompt_tokens_total", "counter", "Prompt tokens of accepted requests.",
