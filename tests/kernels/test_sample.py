@@ -115,3 +115,44 @@ def test_approximate_logs_draw_like_the_reference_at_scale():
     out = sample_rows(logits.to(DEVICE), temps.to(DEVICE), None, seeds=seeds.to(DEVICE),
                       offsets=offsets.to(DEVICE)).cpu()
     _assert_draws(out, logits, temps, seeds, offsets)
+
+
+def test_graphed_top_k_draw_equals_the_eager_sampler():
+    """What the top-k sampling graph replays (`CUDAGraphRunner._sample_top_k`, run here directly) draws
+    the eager sampler's tokens: top-k rows with and without top-p, greedy rows, unfiltered random rows,
+    and padding rows past the batch that nothing reads."""
+    from types import SimpleNamespace
+
+    import numpy as np
+
+    from nanovllm.engine.sequence import Sequence
+    from nanovllm.layers.sampler import Sampler
+    from nanovllm.sampling_params import SamplingParams as SP
+    from nanovllm.worker.cuda_graph import CUDAGraphRunner
+    from nanovllm.worker.inputs import fill_top_k_inputs
+    from nanovllm.worker.sampling_inputs import build_sampling_metadata
+
+    params = [SP(temperature=0.8, top_k=5), SP(temperature=0.5, top_k=40, top_p=0.7), SP(temperature=0.0, top_k=3),
+              SP(temperature=1.2), SP(temperature=0.9, top_k=1), SP(temperature=0.7, top_k=128, top_p=0.95)]
+    n, padded, vocab = len(params), 8, 700
+    seqs = [Sequence([1, 2, 3], sp, seed=1000 + i) for i, sp in enumerate(params)]
+    logits = (torch.randn(padded, vocab, generator=torch.Generator().manual_seed(9)) * 3).to(DEVICE)
+    meta = build_sampling_metadata(seqs, torch.device(DEVICE), frozenset(), vocab)
+    eager = Sampler().sample(logits[:n], meta).token_ids
+
+    views = {"top_k": np.zeros(padded, np.int64), "top_p": np.ones(padded, np.float32)}
+    fill_top_k_inputs(views, seqs, padded)
+
+    def padded_rows(t, fill):
+        return torch.cat([t, torch.full((padded - n,), fill, dtype=t.dtype, device=t.device)])
+    static = {"temperatures": padded_rows(meta.temperatures, 0.0), "seeds": padded_rows(meta.seeds, 0),
+              "offsets": padded_rows(meta.offsets, 0), "top_k": torch.from_numpy(views["top_k"]).to(DEVICE),
+              "top_p": torch.from_numpy(views["top_p"]).to(DEVICE)}
+    runner = SimpleNamespace(static=static, logits=logits, sampled=torch.full((padded,), -1, device=DEVICE))
+    CUDAGraphRunner._sample_top_k(runner, padded)
+    graphed = runner.sampled[:n]
+    if DEVICE == "cuda":
+        assert torch.equal(graphed, eager)
+    else:  # the CPU sampler draws unfiltered random rows by its own formula, not the kernel's
+        rows = [i for i, sp in enumerate(params) if sp.top_k > 0]
+        assert torch.equal(graphed[rows], eager[rows])
