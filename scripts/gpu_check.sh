@@ -2,8 +2,7 @@
 # Everything that needs the GPU, in one call: GPU tests, kernel timings, the benchmarks.
 #   bash scripts/gpu_check.sh [OUTDIR]      (on the device machine: OUTDIR defaults to $OUT)
 # Stages can be picked with STAGES="tests kernels bench single bench8b" (that default), or with
-# any of: eager (enforce_eager=True), nosplitk (A/B of the split-K projections), topp (top-p/top-k), topkgraph (the
-# same with the bounded top-k draw as a CUDA graph, NANOVLLM_GRAPHED_TOP_K=1),
+# any of: eager (enforce_eager=True), nosplitk (A/B of the split-K projections), topp (top-p/top-k),
 # nopdl (programmatic dependent launch off), profile (device busy vs idle over a run, top kernels),
 # host (host time per engine-step stage at a few batch sizes), hostprefill (the same for the benchmark's
 # prefill steps), hoststages (bench.py with the host time per stage of its prefill steps), clocks (bench.py with
@@ -39,8 +38,6 @@ for stage in $STAGES; do
     eager)   run eager python3 bench.py --enforce-eager --json "$OUTDIR/bench_qwen3_0.6b_eager.json" ;;
     nosplitk) run nosplitk python3 bench.py --no-split-k --json "$OUTDIR/bench_qwen3_0.6b_nosplitk.json" ;;
     topp)    run topp python3 bench.py --top-p 0.9 --top-k 50 --json "$OUTDIR/bench_qwen3_0.6b_topp.json" ;;
-    topkgraph) NANOVLLM_GRAPHED_TOP_K=1 run topkgraph python3 bench.py --top-p 0.9 --top-k 50 \
-               --json "$OUTDIR/bench_qwen3_0.6b_topp_graphed.json" ;;
     nopdl)   NANOVLLM_PDL=0 run nopdl python3 bench.py --json "$OUTDIR/bench_qwen3_0.6b_nopdl.json" ;;
     profile) run profile python3 bench.py --profile ;;
     host)    run host python3 scripts/host_timing.py ;;

@@ -235,26 +235,11 @@ def _gumbel(keys: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
     return -torch.log(exponential_from_bits(_noise_bits(keys, token_ids)))
 
 
-# Bounded top-k draws take this many candidates whatever their largest top_k (up to it): a fixed
-# shape, so that the CUDA graph of such draws (`worker/cuda_graph.py`) and the eager sampler pick
-# among the same candidates when logits tie at the k-th place.
-TOP_K_CANDIDATES = 128
-
-
-def graphable_top_k(sp) -> bool:
-    """Whether a sequence's draw is one the filtered sampling graph makes: random with top_k in
-    [1, TOP_K_CANDIDATES] as its only bound (top-p over those candidates allowed), unfiltered, or
-    greedy (filters cannot change an argmax); nothing else of the eager sampler."""
-    if sp.uses_penalties or sp.logprobs is not None or sp.min_tokens > 0:
-        return False
-    return sp.greedy or not sp.uses_filters or (0 < sp.top_k <= TOP_K_CANDIDATES and sp.min_p == 0.0)
-
-
 def _sample_top_k(x: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor | None, max_top_k: int,
                   keys: torch.Tensor) -> torch.Tensor:
     """Draw from rows that all have top_k > 0: top-k, then top-p over the renormalised top k, then
-    the draw, on [F, max(max_top_k, TOP_K_CANDIDATES)] candidates instead of the vocabulary."""
-    vals, idx = x.topk(min(max(max_top_k, TOP_K_CANDIDATES), x.shape[-1]), dim=-1)  # sorted, best first
+    the draw, on [F, max_top_k] candidates instead of the vocabulary."""
+    vals, idx = x.topk(min(max_top_k, x.shape[-1]), dim=-1)  # sorted, best first
     rank = torch.arange(vals.shape[-1], device=x.device)
     vals = vals.masked_fill(rank[None, :] >= top_k[:, None], float("-inf"))
     if top_p is not None:

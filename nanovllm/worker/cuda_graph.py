@@ -4,12 +4,8 @@ For each batch size of a ladder up to max_num_seqs, two graphs are captured at s
 memory pool, largest first:
 - `forward`: input ids -> model -> LM head, into the static `logits` buffer;
 - `sample`: the default draw (temperature or greedy, per-request seeds) from `logits` into the
-  static `sampled` buffer;
-- `sample_top_k` (with `NANOVLLM_GRAPHED_TOP_K=1`; not yet measured on a GPU, so off by default):
-  the same draw for the batches whose filters are bounded by top_k (`graphable_top_k`), each row
-  with its top_k and top_p from the packed inputs, as the eager sampler draws them.
-A batch that needs more of the sampler (other filters, penalties, logprobs, min_tokens) replays
-`forward` only and runs the eager sampler on `logits`.
+  static `sampled` buffer. A batch that needs more of the sampler (filters, penalties, logprobs,
+  min_tokens) replays `forward` only and runs the eager sampler on `logits`.
 
 The graphs read their inputs from static buffers packed into ONE device allocation
 (`PackedInputs`): the host fills a pinned twin and sends it in one copy, so a decode step costs a
@@ -18,16 +14,11 @@ the previous step (the host has not read it yet: steps overlap) is taken from `s
 the graph (`prev_rows`). Batches are padded up to the next captured size with rows the kernels
 skip (slot -1, context length 0).
 """
-import os
-
 import numpy as np
 import torch
 
 from nanovllm.attention.base import AttentionMetadata
 from nanovllm.worker.inputs import TransferSlots
-
-
-GRAPHED_TOP_K = os.environ.get("NANOVLLM_GRAPHED_TOP_K", "0") == "1"
 
 
 def batch_size_ladder(max_bs: int) -> list[int]:
@@ -84,8 +75,7 @@ class CUDAGraphRunner:
             "input_ids": (i64, (max_bs,)), "prev_rows": (i64, (max_bs,)), "positions": (i64, (max_bs,)),
             "slot_mapping": (i64, (max_bs,)), "seeds": (i64, (max_bs,)), "offsets": (i64, (max_bs,)),
             "seq_lens": (i32, (max_bs,)), "decode_order": (i32, (max_bs,)),
-            "temperatures": (torch.float32, (max_bs,)), "top_k": (i64, (max_bs,)), "top_p": (torch.float32, (max_bs,)),
-            "block_tables": (i32, (max_bs, max_blocks_per_seq)),
+            "temperatures": (torch.float32, (max_bs,)), "block_tables": (i32, (max_bs, max_blocks_per_seq)),
         }, device)
         self.block_table_row_bytes = max_blocks_per_seq * 4
         self.static = self.inputs.device
@@ -98,7 +88,6 @@ class CUDAGraphRunner:
         self.capture_sampler = capture_sampler
         self.forward_graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.sample_graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self.top_k_graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.pool = None
 
     def _meta(self, bs: int) -> AttentionMetadata:
@@ -122,19 +111,6 @@ class CUDAGraphRunner:
         sample_rows(self.logits[:bs], s["temperatures"][:bs], None, out=self.sampled[:bs],
                     seeds=s["seeds"][:bs], offsets=s["offsets"][:bs])
 
-    def _sample_top_k(self, bs: int):
-        from nanovllm.kernels.sample import sample_rows
-        from nanovllm.layers.sampler import TOP_K_CANDIDATES, _sample_top_k, row_keys
-        s = self.static
-        temps, top_k = s["temperatures"][:bs], s["top_k"][:bs]
-        keys = row_keys(s["seeds"][:bs], s["offsets"][:bs])
-        # As Sampler.sample: logits scaled by the temperature, then the rows without a bound (top_k 0:
-        # greedy, or no filter) drawn by the sampling kernel and the others among their top k.
-        x = self.logits[:bs].float() / torch.where(temps > 0, temps, 1.0)[:, None]
-        plain = sample_rows(x, (temps > 0).float(), keys)
-        bounded = _sample_top_k(x, top_k.clamp(min=1), s["top_p"][:bs], TOP_K_CANDIDATES, keys)
-        torch.where(top_k > 0, bounded, plain, out=self.sampled[:bs])
-
     def _capture(self, fn, bs: int) -> torch.cuda.CUDAGraph:
         fn(bs)  # warm-up outside the graph: compiles kernels and settles allocator state
         graph = torch.cuda.CUDAGraph()
@@ -150,17 +126,14 @@ class CUDAGraphRunner:
             self.forward_graphs[bs] = self._capture(self._forward, bs)
             if self.capture_sampler:
                 self.sample_graphs[bs] = self._capture(self._sample, bs)
-                if GRAPHED_TOP_K:
-                    self.top_k_graphs[bs] = self._capture(self._sample_top_k, bs)
         torch.cuda.synchronize()
 
     def reset(self):
         """Free every captured graph (see ModelRunner.release_graphs)."""
-        for graph in [*self.forward_graphs.values(), *self.sample_graphs.values(), *self.top_k_graphs.values()]:
+        for graph in [*self.forward_graphs.values(), *self.sample_graphs.values()]:
             graph.reset()
         self.forward_graphs.clear()
         self.sample_graphs.clear()
-        self.top_k_graphs.clear()
 
     def can_run(self, num_seqs: int, num_decodes: int) -> bool:
         return num_seqs == num_decodes and num_seqs <= self.max_bs and bool(self.forward_graphs)
@@ -172,14 +145,11 @@ class CUDAGraphRunner:
     def send_inputs(self, bs: int):
         self.inputs.send(self.inputs.offsets["block_tables"] + bs * self.block_table_row_bytes)
 
-    def replay(self, bs: int, sample: str | None):
-        """Forward, and the draw `sample` names ("plain": the default draw, "top_k": the bounded top-k
-        draw; None: none) over the inputs sent; logits[:bs] / sampled[:bs] hold the results."""
+    def replay(self, bs: int, sample: bool):
+        """Forward (and the default draw) over the inputs sent; logits[:bs] / sampled[:bs] hold the results."""
         self.forward_graphs[bs].replay()
-        if sample == "plain":
+        if sample:
             self.sample_graphs[bs].replay()
-        elif sample == "top_k":
-            self.top_k_graphs[bs].replay()
 
     # ---- the general path: inputs already on the device (tensor-parallel ranks) ---------
     def run(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:

@@ -142,18 +142,6 @@ def fill_decode_inputs(views: dict[str, np.ndarray], seqs: list[Sequence], padde
     views["offsets"][n:padded] = 0
 
 
-def fill_top_k_inputs(views: dict[str, np.ndarray], seqs: list[Sequence], padded: int):
-    """The bounded top-k draw's per-row parameters (`cuda_graph.CUDAGraphRunner._sample_top_k`), for
-    a batch whose every sequence is `graphable_top_k`: top_k 0 marks a row drawn as by default
-    (greedy, or random without a filter), as the eager sampler draws those."""
-    n = len(seqs)
-    params = [s.sampling_params for s in seqs]
-    views["top_k"][:n] = np.fromiter((0 if p.greedy else max(p.top_k, 0) for p in params), np.int64, n)
-    views["top_p"][:n] = np.fromiter((p.top_p for p in params), np.float32, n)
-    views["top_k"][n:padded] = 0
-    views["top_p"][n:padded] = 1.0
-
-
 def _to_device(array: np.ndarray, device: torch.device) -> torch.Tensor:
     t = torch.from_numpy(array)
     if device.type == "cuda":

@@ -12,11 +12,11 @@ from nanovllm.distributed import (broadcast_from_rank0, enable_one_shot_all_redu
 from nanovllm.engine.scheduler import ScheduledBatch
 from nanovllm.engine.sequence import Sequence
 from nanovllm.layers.cpu_linear import pack_linear_weights
-from nanovllm.layers.sampler import LogprobsLists, Sampler, SamplerOutput, graphable_top_k
+from nanovllm.layers.sampler import LogprobsLists, Sampler, SamplerOutput
 from nanovllm.models.loader import build_model, init_dummy_weights, load_weights
 from nanovllm.worker.gemm_warmup import warm_gemms
 from nanovllm.worker.inputs import (HostInputs, HostToDevice, TransferSlots, build_host_inputs, fill_decode_inputs,
-                                    fill_top_k_inputs, to_device)
+                                    to_device)
 from nanovllm.worker.sampling_inputs import build_sampling_metadata
 
 _CPU_DEFAULT_KV_BYTES = 512 << 20
@@ -309,23 +309,15 @@ class ModelRunner:
 
     def _execute_graphed_decode(self, seqs: list[Sequence]) -> StepOutput:
         """A pure decode step on one device: inputs filled into the graphs' pinned buffer and sent
-        in one copy, then the forward graph and, for plain sampling or (with NANOVLLM_GRAPHED_TOP_K=1)
-        bounded top-k draws, a sampling graph; any other batch takes the eager sampler."""
+        in one copy, then the forward graph and (for plain sampling) the sampling graph."""
         g = self.graph_runner
         n = len(seqs)
         bs = g.padded_size(n)
-        views = g.inputs.host()
-        fill_decode_inputs(views, seqs, bs, self.block_size, self._last_row_of_seq)
-        if all(map(_plain_sampling, seqs)):
-            draw = "plain"
-        elif g.top_k_graphs and all(graphable_top_k(s.sampling_params) for s in seqs):
-            draw = "top_k"
-            fill_top_k_inputs(views, seqs, bs)
-        else:
-            draw = None
+        fill_decode_inputs(g.inputs.host(), seqs, bs, self.block_size, self._last_row_of_seq)
         g.send_inputs(bs)
-        g.replay(bs, sample=draw)
-        if draw is None:
+        plain = all(map(_plain_sampling, seqs))
+        g.replay(bs, sample=plain)
+        if not plain:
             return self._sample(seqs, g.logits[:n])
         self._remember_sampled(seqs, g.sampled)
         return self._token_ring.copy(seqs, g.sampled[:n])

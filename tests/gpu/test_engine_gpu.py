@@ -99,32 +99,6 @@ def test_cuda_graph_sampling_identical_to_eager_fp32(model_factory):
     assert len(set(map(tuple, runs[False][0]))) > len(prompts) // 2  # seeds differ: so do the draws
 
 
-def test_top_k_sampling_graph_identical_to_eager_fp32(model_factory, monkeypatch):
-    """The bounded top-k draw as a CUDA graph (NANOVLLM_GRAPHED_TOP_K=1): batches of top-k rows,
-    with top-p over them, greedy rows and unfiltered random rows among them, give the tokens of the
-    eager engine; a batch with a row beyond its reach (top-p alone) falls back to the eager sampler."""
-    import nanovllm.worker.cuda_graph as cuda_graph
-    monkeypatch.setattr(cuda_graph, "GRAPHED_TOP_K", True)
-    kwargs = dict(dtype="float32", max_model_len=1024, max_num_seqs=64, gpu_memory_utilization=0.3)
-    prompts = make_prompts(6) * 2
-    top_k = [SamplingParams(temperature=0.8, seed=i, top_k=[5, 20, 128][i % 3], top_p=[1.0, 0.9][i % 2],
-                            max_tokens=30, ignore_eos=True) for i in range(len(prompts))]
-    mixed = list(top_k)
-    mixed[2] = SamplingParams(temperature=0.0, top_k=10, max_tokens=30, ignore_eos=True)
-    mixed[5] = SamplingParams(temperature=0.7, seed=5, max_tokens=30, ignore_eos=True)
-    unbounded = list(top_k)
-    unbounded[3] = SamplingParams(temperature=0.8, seed=3, top_p=0.8, max_tokens=30, ignore_eos=True)
-    runs = {}
-    for eager in (False, True):
-        with LLM(model_factory("llama"), enforce_eager=eager, **kwargs) as llm:
-            if not eager:
-                assert llm.engine.model_runner.graph_runner.top_k_graphs
-            runs[eager] = [[o["token_ids"] for o in llm.generate(prompts, params, use_tqdm=False)]
-                           for params in (top_k, mixed, unbounded)]
-    assert runs[False] == runs[True]
-    assert len(set(map(tuple, runs[False][0]))) > len(prompts) // 2
-
-
 def test_qwen3_06b_bf16_triton_agrees_with_torch_backend(tmp_path):
     import shutil
     shutil.copy(QWEN3_06B, tmp_path / "config.json")

@@ -61,36 +61,3 @@ def test_gpu_candidate_noise_and_draw_equal_the_cpu_and_the_kernel():
         differ = (tokens != on_cpu).nonzero().flatten()
         gaps = (scores[differ, on_cpu[differ]] - scores[differ, tokens[differ]]).abs()
         assert len(differ) <= 2 and bool((gaps < 1e-4).all()), (differ, gaps)
-
-
-def test_graphable_top_k_draws():
-    from nanovllm.layers.sampler import TOP_K_CANDIDATES, graphable_top_k
-    from nanovllm.sampling_params import SamplingParams as SP
-    assert graphable_top_k(SP(top_k=50)) and graphable_top_k(SP(top_k=TOP_K_CANDIDATES, top_p=0.9))
-    assert graphable_top_k(SP(temperature=0.0, top_p=0.5, min_p=0.1))  # greedy: filters change nothing
-    assert graphable_top_k(SP())  # a plain row may ride along
-    assert not graphable_top_k(SP(top_k=TOP_K_CANDIDATES + 1))
-    assert not graphable_top_k(SP(top_p=0.9))  # unbounded: needs the full sort
-    assert not graphable_top_k(SP(top_k=50, min_p=0.1))
-    for extra in ({"logprobs": 1}, {"presence_penalty": 0.5}, {"min_tokens": 2}):
-        assert not graphable_top_k(SP(top_k=50, **extra)) and not graphable_top_k(SP(temperature=0.0, **extra))
-
-
-def test_candidate_width_does_not_change_the_draw():
-    """Bounded draws take TOP_K_CANDIDATES candidates whatever their largest top_k: the same tokens as
-    a draw among exactly max(top_k) candidates (no ties in these logits)."""
-    from nanovllm.layers.sampler import TOP_K_CANDIDATES
-    g = torch.Generator().manual_seed(5)
-    rows, vocab = 32, 3000
-    x = torch.randn(rows, vocab, generator=g) * 2
-    top_k = torch.randint(1, 30, (rows,), generator=g)
-    top_p = torch.rand(rows, generator=g) * 0.8 + 0.2
-    keys = row_keys(torch.arange(rows), torch.zeros(rows, dtype=torch.int64))
-    ours = _sample_top_k(x, top_k, top_p, int(top_k.max()), keys)
-    vals, idx = x.topk(int(top_k.max()), dim=-1)
-    rank = torch.arange(vals.shape[-1])
-    vals = vals.masked_fill(rank[None, :] >= top_k[:, None], float("-inf"))
-    probs = vals.softmax(dim=-1)
-    vals = vals.masked_fill(probs.cumsum(-1).sub_(probs) >= top_p[:, None], float("-inf"))
-    expected = idx.gather(1, (vals + _gumbel(keys, idx)).argmax(-1, keepdim=True)).squeeze(1)
-    assert TOP_K_CANDIDATES > int(top_k.max()) and torch.equal(ours, expected)

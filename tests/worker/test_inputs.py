@@ -107,16 +107,3 @@ def test_transfer_slots_rotate_and_wait_for_their_last_copy():
         event.synchronize()
         assert device_buf[0].item() == step
     assert taken == [0, 1, 2, 0, 1, 2, 0]
-
-
-def test_top_k_inputs_mark_unbounded_rows_with_zero():
-    import numpy as np
-
-    from nanovllm.engine.sequence import Sequence
-    from nanovllm.sampling_params import SamplingParams as SP
-    from nanovllm.worker.inputs import fill_top_k_inputs
-    seqs = [Sequence([1, 2], sp, seed=0) for sp in (SP(top_k=20, top_p=0.9), SP(temperature=0.0, top_k=5), SP())]
-    views = {"top_k": np.full(4, 7, np.int64), "top_p": np.full(4, 0.5, np.float32)}
-    fill_top_k_inputs(views, seqs, 4)
-    assert views["top_k"].tolist() == [20, 0, 0, 0]
-    assert np.allclose(views["top_p"], [0.9, 1.0, 1.0, 1.0])
