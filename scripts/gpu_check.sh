@@ -10,6 +10,7 @@
 # decode schedule: kernel per batch size, then bench.py with it at every size), gemm (decode projections: cuBLAS vs our
 # GEMM over a tile sweep), gemmstages (the same with the weights in HBM: the tables' pipeline depths and tiles),
 # prefillprofile (device time and top kernels of each of the benchmark's prefill steps), sample (the sampling pass at decode batch sizes),
+# sampletopk (the top-k/top-p draw: the torch path against the one-kernel draw of kernels/sample_top_k.py),
 # splits (decode attention at every split count, 4-80 sequences), nanobatch (two half-batches on two streams, also with
 # the balanced attention at 100/132/264 programs), replay (engine step against its CUDA graphs replayed back to back),
 # barrier (dependent projections as kernels vs one persistent kernel with grid barriers), prefilltiles (prefill
@@ -50,6 +51,7 @@ for stage in $STAGES; do
     gemmstages) run gemmstages python3 scripts/sweep_gemm_stages.py ;;
     prefillprofile) NANOVLLM_PDL=0 run prefillprofile python3 scripts/profile_step.py --prefill ;;
     sample)  run sample python3 scripts/bench_sample.py ;;
+    sampletopk) run sampletopk python3 scripts/bench_sample_top_k.py ;;
     splits)  run splits python3 scripts/tune_decode.py --splits 4,8,12,16,20,24,28,32,40,48,56,64,80 ;;
     nanobatch) run nanobatch python3 scripts/bench_nanobatch.py --batch 256 128 --balanced 100,132,264 ;;
     replay)  run replay python3 scripts/profile_step.py --batch 256 128 64 32 8 1 --replay ;;

@@ -1,0 +1,85 @@
+"""The top-k / top-p draw at decode batch sizes over a Qwen3-sized vocabulary: the torch path the
+sampler takes today (`Sampler.sample`, eager) against the one-kernel draw (`kernels/sample_top_k.py`)
+and, for scale, the plain sampling pass.
+
+    python scripts/bench_sample_top_k.py      (GPU machine; STAGES=sampletopk bash scripts/gpu_check.sh)
+
+bf16 logits, temperature 0.6, top_k 50, top_p 0.9 on every row (the benchmark's `--top-k 50 --top-p
+0.9`). Each call reads logits the previous one did not touch (copies beyond the L2 cache). Prints us
+per call and the rows where the kernel draws unlike the torch path (allowed only where two scores tie
+to ~1e-5, or at the top-p boundary's rounding).
+"""
+import os
+import sys
+
+import torch
+import triton.testing
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+from nanovllm.engine.sequence import Sequence  # noqa: E402
+from nanovllm.kernels.sample import sample_rows  # noqa: E402
+from nanovllm.kernels.sample_top_k import sample_top_k_rows  # noqa: E402
+from nanovllm.layers.sampler import Sampler  # noqa: E402
+from nanovllm.sampling_params import SamplingParams  # noqa: E402
+from nanovllm.worker.sampling_inputs import build_sampling_metadata  # noqa: E402
+
+VOCAB = 151936
+
+
+def _eager_us(fn, reps: int = 20) -> float:
+    """Wall time per call of an eager (host-launched) function, device included."""
+    fn()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(reps):
+        fn()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) * 1e3 / reps
+
+
+def main():
+    device = torch.device("cuda")
+    sampler = Sampler()
+    for batch in (1, 16, 64, 128, 256):
+        g = torch.Generator(device="cuda").manual_seed(batch)
+        copies = max(1, -(-120_000_000 // (batch * VOCAB * 2)))
+        logits = [(torch.randn(batch, VOCAB, device="cuda", generator=g) * 3).to(torch.bfloat16)
+                  for _ in range(copies)]
+        seqs = [Sequence([1, 2, 3], SamplingParams(temperature=0.6, top_k=50, top_p=0.9), seed=1000 + i)
+                for i in range(batch)]
+        meta = build_sampling_metadata(seqs, device, frozenset(), VOCAB)
+        top_k = torch.full((batch,), 50, device="cuda")
+        top_p = torch.full((batch,), 0.9, device="cuda")
+        out = torch.empty(batch, dtype=torch.int64, device="cuda")
+
+        def torch_path():
+            for x in logits:
+                sampler.sample(x, meta)
+
+        def fused():
+            for x in logits:
+                sample_top_k_rows(x, meta.temperatures, top_k, top_p, meta.row_keys, out=out)
+
+        def plain():
+            for x in logits:
+                sample_rows(x, meta.temperatures, meta.row_keys, out=out)
+
+        t_torch = _eager_us(torch_path) / copies
+        t_fused = triton.testing.do_bench_cudagraph(fused, rep=50) * 1e3 / copies
+        t_plain = triton.testing.do_bench_cudagraph(plain, rep=50) * 1e3 / copies
+        expected = sampler.sample(logits[0], meta).token_ids
+        got = sample_top_k_rows(logits[0], meta.temperatures, top_k, top_p, meta.row_keys)
+        print(f"B={batch:3d}: torch path {t_torch:7.1f} us, one kernel {t_fused:6.1f} us, plain draw {t_plain:6.1f} us; "
+              f"rows drawing unlike the torch path: {(got != expected).sum().item()}/{batch}", flush=True)
+        for block in (1024, 4096):
+            def variant():
+                for x in logits:
+                    sample_top_k_rows(x, meta.temperatures, top_k, top_p, meta.row_keys, out=out, block=block)
+            print(f"         one kernel, BLOCK {block}: {triton.testing.do_bench_cudagraph(variant, rep=50) * 1e3 / copies:6.1f} us",
+                  flush=True)
+
+
+if __name__ == "__main__":
+    main()
