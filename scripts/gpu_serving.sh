@@ -5,7 +5,8 @@
 set -uo pipefail
 OUTDIR=${1:-${OUT:-/tmp/nanovllm-gpu}}
 mkdir -p "$OUTDIR"
-# EXTRA_WHEELS=DIR adds that folder's wheels (e.g. uvloop and httptools, which uvicorn then uses).
+# EXTRA_WHEELS=DIR adds that folder's wheels (e.g. uvloop and httptools, which uvicorn then uses);
+# CLIENT_PROCESSES=N runs the concurrency-256 client in N processes (default 4); ONLY_C256=1 runs only that.
 rm -rf /tmp/site
 python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl ${EXTRA_WHEELS:+$EXTRA_WHEELS/*.whl} || exit 1
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
