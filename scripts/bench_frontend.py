@@ -14,6 +14,7 @@ Defaults: the GPU serving benchmark's workload (`scripts/gpu_serving.sh`: inputs
 decode step at 256 sequences, ~1.9 us per prefill token).
 """
 import argparse
+import functools
 import json
 import os
 import subprocess
@@ -55,11 +56,10 @@ class _Sampled:
 
 class StandInDeviceEngine(LLMEngine):
     """The real engine with `ModelRunner.execute` replaced by a device of fixed speed."""
-    step_s = 0.005
-    prefill_s_per_token = 1.9e-6
 
-    def __init__(self, config):
+    def __init__(self, config, step_s: float, prefill_s_per_token: float):
         super().__init__(config)
+        self.step_s, self.prefill_s_per_token = step_s, prefill_s_per_token
         self.overlap = True  # as on a GPU: launch step N, then read step N-1
         self._device_free_at = 0.0
         self.model_runner.execute = self._execute
@@ -72,19 +72,9 @@ class StandInDeviceEngine(LLMEngine):
         return _Sampled(seqs, self._device_free_at)
 
 
-def _make_engine(step_s: float, prefill_s_per_token: float):
-    """An engine factory for the engine process (spawned: module-level, picklable)."""
-    return _Factory(step_s, prefill_s_per_token)
-
-
-class _Factory:
-    def __init__(self, step_s, prefill_s_per_token):
-        self.step_s, self.prefill_s_per_token = step_s, prefill_s_per_token
-
-    def __call__(self, config):
-        StandInDeviceEngine.step_s = self.step_s
-        StandInDeviceEngine.prefill_s_per_token = self.prefill_s_per_token
-        return StandInDeviceEngine(config)
+def stand_in_engine(step_s: float, prefill_s_per_token: float):
+    """An engine factory for the engine process (spawned: a picklable partial of the class)."""
+    return functools.partial(StandInDeviceEngine, step_s=step_s, prefill_s_per_token=prefill_s_per_token)
 
 
 def serve(args):
@@ -99,7 +89,7 @@ def serve(args):
                     max_model_len=4096, num_kvcache_blocks=args.max_num_seqs * 8 + 64)
     metrics = ServerMetrics("stand-in")
     engine = AsyncLLMEngine(config, listener=metrics,
-                            engine_factory=_make_engine(args.step_ms / 1e3, args.prefill_us / 1e6))
+                            engine_factory=stand_in_engine(args.step_ms / 1e3, args.prefill_us / 1e6))
     engine.start()
     uvicorn.run(build_app(engine, ["stand-in"], metrics), host="127.0.0.1", port=args.port, log_level="warning")
 

@@ -24,7 +24,7 @@ def test_stand_in_device_paces_the_real_engine(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(bench.TINY_QWEN3))
     config = Config(str(tmp_path), load_format="dummy", device="cpu", max_num_seqs=4, max_model_len=512,
                     num_kvcache_blocks=16)
-    engine = bench._make_engine(0.01, 0.0)(config)
+    engine = bench.stand_in_engine(0.01, 0.0)(config)
     for i, n in enumerate((3, 5)):
         engine.add_request(f"r{i}", list(range(1, 40)), SamplingParams(max_tokens=n, ignore_eos=True))
     seqs = [s for r in engine.requests.values() for s in r]

@@ -14,7 +14,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from nanovllm.engine.async_engine import AsyncLLMEngine, RequestHandle
-from nanovllm.engine.request_output import CompletionOutput, RequestRejected
+from nanovllm.engine.request_output import RequestOutput, RequestRejected
 from nanovllm.entrypoints.openai.protocol import (
     APIError, ChatChoice, ChatCompletionChunk, ChatCompletionRequest, ChatCompletionResponse, ChatLogprobs,
     ChatResponseMessage, ChatStreamChoice, CompletionChoice, CompletionChunk, CompletionLogprobs,
@@ -272,20 +272,20 @@ class _Job:
                     batch.append(out_queue.get_nowait())
                 except asyncio.QueueEmpty:
                     break
-            merged: dict[tuple[str, int], CompletionOutput] = {}
+            merged: dict[str, RequestOutput] = {}
             for out in batch:
                 if out.error is not None:
                     raise out.error
-                self.last[out.request_id] = out
-                for output in out.outputs:
-                    key = (out.request_id, output.index)
-                    merged[key] = merged[key].followed_by(output) if key in merged else output
+                rid = out.request_id
+                merged[rid] = merged[rid].followed_by(out) if rid in merged else out
                 if out.finished:
-                    pending.discard(out.request_id)
-            for (request_id, _), output in merged.items():
-                index = self.base[request_id] + output.index
-                self.num_tokens[index] = output.num_tokens
-                yield self.last[request_id], output, index
+                    pending.discard(rid)
+            for request_id, out in merged.items():
+                self.last[request_id] = out
+                for output in out.outputs:
+                    index = self.base[request_id] + output.index
+                    self.num_tokens[index] = output.num_tokens
+                    yield out, output, index
 
     def usage(self, finals: dict) -> Usage:
         completion = sum(self.num_tokens.values())
