@@ -1,6 +1,6 @@
-"""The top-k / top-p draw at decode batch sizes over a Qwen3-sized vocabulary: the torch path the
-sampler takes today (`Sampler.sample`, eager) against the one-kernel draw (`kernels/sample_top_k.py`)
-and, for scale, the plain sampling pass.
+"""The top-k / top-p draw at decode batch sizes over a Qwen3-sized vocabulary: the torch path
+(`_sample_top_k` through `Sampler.sample`, eager) against the kernels' draw (`kernels/sample_top_k.py`,
+the default configuration and others) and, for scale, the plain sampling pass.
 
     python scripts/bench_sample_top_k.py      (GPU machine; STAGES=sampletopk bash scripts/gpu_check.sh)
 
@@ -9,6 +9,7 @@ bf16 logits, temperature 0.6, top_k 50, top_p 0.9 on every row (the benchmark's 
 per call and the rows where the kernel draws unlike the torch path (allowed only where two scores tie
 to ~1e-5, or at the top-p boundary's rounding).
 """
+import contextlib
 import os
 import sys
 
@@ -18,12 +19,16 @@ import triton.testing
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 from nanovllm.engine.sequence import Sequence  # noqa: E402
 from nanovllm.kernels.sample import sample_rows  # noqa: E402
-from nanovllm.kernels.sample_top_k import sample_top_k_rows  # noqa: E402
+from nanovllm.kernels.sample_top_k import DEFAULT_TOP_K_CONFIG, TopKConfig, sample_top_k_rows  # noqa: E402
+from nanovllm.layers import sampler as sampler_module  # noqa: E402
 from nanovllm.layers.sampler import Sampler  # noqa: E402
 from nanovllm.sampling_params import SamplingParams  # noqa: E402
 from nanovllm.worker.sampling_inputs import build_sampling_metadata  # noqa: E402
 
 VOCAB = 151936
+# (programs per SM, block, warps) besides the default.
+VARIANTS = [TopKConfig(4, 1024, 4), TopKConfig(8, 1024, 4), TopKConfig(32, 1024, 4), TopKConfig(16, 2048, 4),
+            TopKConfig(16, 2048, 8), TopKConfig(16, 512, 4), TopKConfig(32, 512, 4), TopKConfig(16, 4096, 8)]
 
 
 def _eager_us(fn, reps: int = 20) -> float:
@@ -37,6 +42,17 @@ def _eager_us(fn, reps: int = 20) -> float:
     end.record()
     end.synchronize()
     return start.elapsed_time(end) * 1e3 / reps
+
+
+@contextlib.contextmanager
+def _kernels_off():
+    """The sampler's torch path for top-k batches, as before the kernels."""
+    serves = sampler_module.top_k_kernel_serves
+    sampler_module.top_k_kernel_serves = lambda *args: False
+    try:
+        yield
+    finally:
+        sampler_module.top_k_kernel_serves = serves
 
 
 def main():
@@ -58,27 +74,34 @@ def main():
             for x in logits:
                 sampler.sample(x, meta)
 
+        def torch_path_without_kernels():
+            with _kernels_off():
+                torch_path()
+
         def fused():
             for x in logits:
-                sample_top_k_rows(x, meta.temperatures, top_k, top_p, meta.row_keys, out=out)
+                sample_top_k_rows(x, meta.temperatures, top_k, top_p, meta.row_keys, 50, out=out)
 
         def plain():
             for x in logits:
                 sample_rows(x, meta.temperatures, meta.row_keys, out=out)
 
-        t_torch = _eager_us(torch_path) / copies
+        t_torch = _eager_us(torch_path_without_kernels) / copies
+        t_sampler = _eager_us(torch_path) / copies
         t_fused = triton.testing.do_bench_cudagraph(fused, rep=50) * 1e3 / copies
         t_plain = triton.testing.do_bench_cudagraph(plain, rep=50) * 1e3 / copies
-        expected = sampler.sample(logits[0], meta).token_ids
-        got = sample_top_k_rows(logits[0], meta.temperatures, top_k, top_p, meta.row_keys)
-        print(f"B={batch:3d}: torch path {t_torch:7.1f} us, one kernel {t_fused:6.1f} us, plain draw {t_plain:6.1f} us; "
-              f"rows drawing unlike the torch path: {(got != expected).sum().item()}/{batch}", flush=True)
-        for block in (1024, 4096):
+        with _kernels_off():
+            expected = sampler.sample(logits[0], meta).token_ids
+        got = sample_top_k_rows(logits[0], meta.temperatures, top_k, top_p, meta.row_keys, 50)
+        print(f"B={batch:3d}: torch path {t_torch:7.1f} us, kernels {t_fused:6.1f} us (graph; {t_sampler:6.1f} us "
+              f"eager through Sampler.sample), plain draw {t_plain:6.1f} us; rows drawing unlike the torch path: "
+              f"{(got != expected).sum().item()}/{batch}", flush=True)
+        for config in VARIANTS:
             def variant():
                 for x in logits:
-                    sample_top_k_rows(x, meta.temperatures, top_k, top_p, meta.row_keys, out=out, block=block)
-            print(f"         one kernel, BLOCK {block}: {triton.testing.do_bench_cudagraph(variant, rep=50) * 1e3 / copies:6.1f} us",
-                  flush=True)
+                    sample_top_k_rows(x, meta.temperatures, top_k, top_p, meta.row_keys, 50, out=out, config=config)
+            us = triton.testing.do_bench_cudagraph(variant, rep=50) * 1e3 / copies
+            print(f"         {tuple(config)}: {us:6.1f} us (default {tuple(DEFAULT_TOP_K_CONFIG)})", flush=True)
 
 
 if __name__ == "__main__":

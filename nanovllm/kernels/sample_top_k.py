@@ -1,31 +1,47 @@
-"""The top-k (then top-p) draw in one kernel: one program per row.
+"""The top-k (then top-p) draw in three short kernels, for rows whose top_k is at most MAX_TOP_K.
 
 On the H200 the torch path of such draws (`nanovllm.layers.sampler._sample_top_k`: fp32 copies of
-the logits, `torch.topk` over the vocabulary, a dozen small ops) costs ~0.85 ms per decode step at
-256 rows, device time that a CUDA graph does not remove (BENCHMARKS.md). Here each row is read in
-its own 16-bit dtype three times:
+the logits, `torch.topk` over the vocabulary, a dozen small ops) costs ~1 ms per decode step at 1-256
+rows (BENCHMARKS.md). Here each row is read twice in its own 16-bit dtype, cut into chunks so that
+even one row keeps the GPU's memory system busy. A logit's key is its 16 bits reordered so that
+integer order is float order.
 
-1. a histogram of the high byte of each logit's order-preserving 16-bit key finds the byte of the
-   k-th largest;
-2. a histogram of the low byte among the logits with that high byte finds the k-th largest key;
-3. the logits above it, and the first of those equal to it (lowest token id), are gathered: exactly k.
+1. Bound: each chunk keeps, per lane, the largest key the lane reads; the k-th largest of those lane
+   maxima is k distinct logits of the row, so the row's k-th largest is at or above it. The row's
+   bound is the highest over its chunks.
+2. Compact: each chunk lists its keys at or above the bound (slots taken with atomics): about
+   chunks x k of them (a tight bound needs k << the lanes of a chunk), at most MAX_CANDIDATES.
+3. Finish, one program per row: the k-th largest listed key (bisection), and the listed keys above
+   it with the lowest ids equal to it, are the top k. Keep the smallest prefix of their softmax at
+   1/T (by logit, then lowest id) that reaches top_p, and draw the Gumbel-max
+   among the kept with the sampler's noise (`sample.gumbel_max_scores`). A list that overflowed
+   (a tie longer than it, e.g. a row of equal logits) is rebuilt exactly by bisecting the key
+   with counting passes over the row: slow, never wrong.
 
-The k candidates, scaled by 1/T, then keep the smallest prefix of their softmax (in descending order)
-that reaches top_p, and the draw is the Gumbel-max among the kept with the sampler's noise
-(`sample.gumbel_max_scores`): the token `_sample_top_k` draws, up to the order of equal logits and
-float rounding at the top-p boundary. Greedy rows (T = 0) take the first maximum, as torch.argmax.
-
-Written without device time: tested under the Triton interpreter, not yet run or timed on a GPU, and
-not yet called by the sampler.
+The token is the one `_sample_top_k` draws, up to the order of equal logits and float rounding at
+the top-p boundary. Greedy rows (T = 0) take the first maximum, as torch.argmax.
 """
+from typing import NamedTuple
+
 import torch
 import triton
 import triton.language as tl
 
+from nanovllm.kernels.paged_decode import _device_sms
 from nanovllm.kernels.pdl import PDL_LAUNCH, pdl_prologue
 from nanovllm.kernels.sample import gumbel_max_scores
 
-MAX_TOP_K = 128  # candidates per row (a power of two: the top-p pass compares them pairwise)
+MAX_TOP_K = 128
+MAX_CANDIDATES = 2048  # listed per row (a power of two: sorted in one program)
+
+
+class TopKConfig(NamedTuple):
+    programs_per_sm: int  # chunks per row: about this many programs per SM in all (see _num_chunks)
+    block: int            # logits per loop iteration of a program, also the lanes of step 1
+    num_warps: int
+
+
+DEFAULT_TOP_K_CONFIG = TopKConfig(16, 1024, 4)
 
 
 @triton.jit
@@ -37,117 +53,203 @@ def _ordered_keys(x):
 
 
 @triton.jit
-def _byte_of_kth(hist, k, bins):
-    """Given a 256-bin histogram of a byte and a rank k (1 = largest), the byte value holding the
-    k-th largest and how many values rank above that byte."""
-    at_or_above = tl.cumsum(hist, axis=0, reverse=True)
-    byte = tl.max(tl.where(at_or_above >= k, bins, -1), axis=0)
-    above = tl.sum(tl.where(bins == byte, at_or_above - hist, 0), axis=0)
-    return byte, above
+def _row_k(temps_ptr, top_k_ptr, row, vocab_size):
+    """The row's k: its top_k, 1 on greedy rows, never more than the vocabulary."""
+    greedy = tl.load(temps_ptr + row) <= 0.0
+    return tl.minimum(tl.where(greedy, 1, tl.load(top_k_ptr + row).to(tl.int32)), vocab_size)
 
 
 @triton.jit
-def _top_k_sample_kernel(logits_ptr, stride_row, vocab_size, temps_ptr, top_k_ptr, top_p_ptr, row_keys_ptr,
-                         cand_val_ptr, cand_id_ptr, out_ptr,
-                         BLOCK: tl.constexpr, MAX_K: tl.constexpr, FAST_LOG: tl.constexpr):
+def _kth_largest(values, valid, k, BITS: tl.constexpr = 16):
+    """The k-th largest of the valid lanes of values (in [0, 2^BITS)), by bisection: the largest t
+    with at least k valid values at or above it (0 if there are fewer than k)."""
+    lo = 0
+    hi = 1 << BITS
+    for _ in range(BITS):
+        mid = (lo + hi) // 2
+        enough = tl.sum((valid & (values >= mid)).to(tl.int32), axis=0) >= k
+        lo = tl.where(enough, mid, lo)
+        hi = tl.where(enough, hi, mid)
+    return lo
+
+
+@triton.jit(do_not_specialize=["chunk"])
+def _bound_kernel(logits_ptr, stride_row, vocab_size, chunk, temps_ptr, top_k_ptr, counts_ptr, BLOCK: tl.constexpr):
+    pdl_prologue()
+    row = tl.program_id(0)
+    lo = tl.program_id(1) * chunk
+    hi = tl.minimum(lo + chunk, vocab_size)
+    base = logits_ptr + row.to(tl.int64) * stride_row
+    offs = tl.arange(0, BLOCK)
+    lane_max = tl.zeros([BLOCK], tl.int32)  # the least key: a lane without logits bounds nothing
+    for start in range(lo, hi, BLOCK):
+        mask = start + offs < hi
+        key = _ordered_keys(tl.load(base + start + offs, mask=mask, other=0.0))
+        lane_max = tl.maximum(lane_max, tl.where(mask, key, 0))
+    kth = _kth_largest(lane_max, lane_max >= 0, _row_k(temps_ptr, top_k_ptr, row, vocab_size))
+    tl.atomic_max(counts_ptr + row * 2, kth, sem="relaxed")
+
+
+@triton.jit(do_not_specialize=["chunk"])
+def _compact_kernel(logits_ptr, stride_row, vocab_size, chunk, counts_ptr, cand_key_ptr, cand_id_ptr,
+                    BLOCK: tl.constexpr, CAP: tl.constexpr):
+    pdl_prologue()
+    row = tl.program_id(0)
+    lo = tl.program_id(1) * chunk
+    hi = tl.minimum(lo + chunk, vocab_size)
+    base = logits_ptr + row.to(tl.int64) * stride_row
+    offs = tl.arange(0, BLOCK)
+    bound = tl.load(counts_ptr + row * 2)
+    for start in range(lo, hi, BLOCK):
+        mask = start + offs < hi
+        key = _ordered_keys(tl.load(base + start + offs, mask=mask, other=0.0))
+        listed = mask & (key >= bound)
+        num_listed = tl.sum(listed.to(tl.int32), axis=0)
+        if num_listed > 0:
+            slot = (tl.atomic_add(counts_ptr + row * 2 + 1, num_listed, sem="relaxed")
+                    + tl.cumsum(listed.to(tl.int32), 0) - 1)
+            fits = listed & (slot < CAP)
+            tl.store(cand_key_ptr + row * CAP + slot, key, mask=fits)
+            tl.store(cand_id_ptr + row * CAP + slot, start + offs, mask=fits)
+
+
+@triton.jit
+def _count_at_or_above(base, vocab_size, threshold, BLOCK: tl.constexpr):
+    offs = tl.arange(0, BLOCK)
+    count = 0
+    for start in range(0, vocab_size, BLOCK):
+        mask = start + offs < vocab_size
+        key = _ordered_keys(tl.load(base + start + offs, mask=mask, other=0.0))
+        count += tl.sum((mask & (key >= threshold)).to(tl.int32), axis=0)
+    return count
+
+
+@triton.jit
+def _list_exactly_k(base, vocab_size, k, bound, cand_key, cand_id, BLOCK: tl.constexpr):
+    """The k best keys of a row (ties: lowest ids) into the list, from the row itself: the k-th
+    largest key by bisection (at least k keys at or above `bound`), then one pass to list them."""
+    lo = bound
+    hi = 65536
+    for _ in range(16):  # keys have 16 bits
+        mid = (lo + hi) // 2
+        enough = _count_at_or_above(base, vocab_size, mid, BLOCK) >= k
+        lo = tl.where(enough, mid, lo)
+        hi = tl.where(enough, hi, mid)
+    num_above = _count_at_or_above(base, vocab_size, lo + 1, BLOCK)
+    offs = tl.arange(0, BLOCK)
+    seen_above = 0
+    seen_equal = 0
+    for start in range(0, vocab_size, BLOCK):
+        mask = start + offs < vocab_size
+        key = _ordered_keys(tl.load(base + start + offs, mask=mask, other=0.0))
+        above = mask & (key > lo)
+        equal = mask & (key == lo)
+        rank_equal = seen_equal + tl.cumsum(equal.to(tl.int32), 0) - 1
+        slot = tl.where(above, seen_above + tl.cumsum(above.to(tl.int32), 0) - 1, num_above + rank_equal)
+        take = above | (equal & (num_above + rank_equal < k))
+        tl.store(cand_key + slot, key, mask=take)
+        tl.store(cand_id + slot, start + offs, mask=take)
+        seen_above += tl.sum(above.to(tl.int32), axis=0)
+        seen_equal += tl.sum(equal.to(tl.int32), axis=0)
+
+
+@triton.jit
+def _finish_kernel(logits_ptr, stride_row, vocab_size, temps_ptr, top_k_ptr, top_p_ptr, row_keys_ptr, counts_ptr,
+                   cand_key_ptr, cand_id_ptr, out_ptr, BLOCK: tl.constexpr, CAP: tl.constexpr, MAX_K: tl.constexpr,
+                   ID_BITS: tl.constexpr, HAS_TOP_P: tl.constexpr, FAST_LOG: tl.constexpr):
     pdl_prologue()
     row = tl.program_id(0)
     base = logits_ptr + row.to(tl.int64) * stride_row
+    cand_key = cand_key_ptr + row * CAP
+    cand_id = cand_id_ptr + row * CAP
     temp = tl.load(temps_ptr + row)
     greedy = temp <= 0.0
-    k = tl.where(greedy, 1, tl.load(top_k_ptr + row).to(tl.int32))
-    bins = tl.arange(0, 256)
-    offs = tl.arange(0, BLOCK)
-
-    # 1. The high byte of the k-th largest key. Lanes past the vocabulary count in bin 0; taken out after.
-    hist = tl.zeros([256], tl.int32)
-    for start in range(0, vocab_size, BLOCK):
-        mask = start + offs < vocab_size
-        key = _ordered_keys(tl.load(base + start + offs, mask=mask, other=0.0))
-        hist += tl.histogram(tl.where(mask, key >> 8, 0), 256)
-    padding = tl.cdiv(vocab_size, BLOCK) * BLOCK - vocab_size
-    hist -= tl.where(bins == 0, padding, 0)
-    high, above_high = _byte_of_kth(hist, k, bins)
-
-    # 2. Its low byte, among the keys with that high byte.
-    hist = tl.zeros([256], tl.int32)
-    others = 0
-    for start in range(0, vocab_size, BLOCK):
-        mask = start + offs < vocab_size
-        key = _ordered_keys(tl.load(base + start + offs, mask=mask, other=0.0))
-        take = mask & ((key >> 8) == high)
-        hist += tl.histogram(tl.where(take, key & 0xFF, 0), 256)
-        others += BLOCK - tl.sum(take.to(tl.int32), axis=0)
-    hist -= tl.where(bins == 0, others, 0)
-    low, above_low = _byte_of_kth(hist, k - above_high, bins)
-    kth = high * 256 + low
-    num_equal = k - above_high - above_low  # how many keys equal to the k-th one make the k (>= 1)
-    num_above = k - num_equal
-
-    # 3. Gather the k candidates: every key above the k-th, then the first num_equal equal to it.
-    # Scaled as the torch sampler scales its logits (a division, not a product with 1/T).
     temp = tl.where(greedy, 1.0, temp)
-    seen_above = 0
-    seen_equal = 0
-    cand_val = cand_val_ptr + row * MAX_K
-    cand_id = cand_id_ptr + row * MAX_K
-    for start in range(0, vocab_size, BLOCK):
-        mask = start + offs < vocab_size
-        x = tl.load(base + start + offs, mask=mask, other=0.0)
-        key = _ordered_keys(x)
-        is_above = mask & (key > kth)
-        is_equal = mask & (key == kth)
-        rank_above = seen_above + tl.cumsum(is_above.to(tl.int32), axis=0) - 1
-        rank_equal = seen_equal + tl.cumsum(is_equal.to(tl.int32), axis=0) - 1
-        keep = is_above | (is_equal & (rank_equal < num_equal))
-        slot = tl.where(is_above, rank_above, num_above + rank_equal)
-        tl.store(cand_val + slot, x.to(tl.float32) / temp, mask=keep)
-        tl.store(cand_id + slot, start + offs, mask=keep)
-        seen_above += tl.sum(is_above.to(tl.int32), axis=0)
-        seen_equal += tl.sum(is_equal.to(tl.int32), axis=0)
-    tl.debug_barrier()  # the candidates written by every thread of this program, read below
+    k = _row_k(temps_ptr, top_k_ptr, row, vocab_size)
+    num_listed = tl.load(counts_ptr + row * 2 + 1)
+    if num_listed > CAP:  # the list overflowed: rebuild it with exactly the k best
+        _list_exactly_k(base, vocab_size, k, tl.load(counts_ptr + row * 2), cand_key, cand_id, BLOCK)
+        num_listed = k
+        tl.debug_barrier()  # the list written by every thread of this program, read below
 
-    # 4. Top-p over the candidates: keep those whose more likely candidates (ties: the earlier slot)
-    # hold less than top_p of their softmax; the most likely always stays.
+    # The candidates: the listed keys above the k-th largest, then the lowest ids equal to it.
+    c = tl.arange(0, CAP)
+    listed = c < num_listed
+    key = tl.load(cand_key + c, mask=listed, other=-1)
+    ids = tl.load(cand_id + c, mask=listed, other=vocab_size)
+    kth = _kth_largest(key, listed, k)
+    above = listed & (key > kth)
+    equal = listed & (key == kth)
+    needed = k - tl.sum(above.to(tl.int32), axis=0)
+    # The needed-th lowest id among the equal: the needed-th largest of (vocab - 1 - id).
+    last_id = vocab_size - 1 - _kth_largest(vocab_size - 1 - ids, equal, needed, ID_BITS)
+    chosen = above | (equal & (ids <= last_id))
+    slot = tl.cumsum(chosen.to(tl.int32), 0) - 1
+    tl.debug_barrier()  # every thread has read the list: its first k slots now take the candidates
+    tl.store(cand_id + slot, ids, mask=chosen)
+    tl.debug_barrier()
     c = tl.arange(0, MAX_K)
-    valid = c < k
-    v = tl.load(cand_val + c, mask=valid, other=float("-inf"))
-    ids = tl.load(cand_id + c, mask=valid, other=0)
-    p = tl.exp(v - tl.max(v, axis=0))
-    p = p / tl.sum(p, axis=0)
-    ahead = (v[None, :] > v[:, None]) | ((v[None, :] == v[:, None]) & (c[None, :] < c[:, None]))
-    before = tl.sum(tl.where(ahead, p[None, :], 0.0), axis=1)
-    top_p = tl.load(top_p_ptr + row)
-    keep = valid & (before < tl.where(top_p >= 1.0, float("inf"), top_p))
+    top = c < k
+    ids = tl.load(cand_id + c, mask=top, other=vocab_size)
+    # Scaled as the torch sampler scales its logits (a division, not a product with 1/T).
+    v = tl.load(base + ids, mask=top, other=float("-inf")).to(tl.float32) / temp
+    keep = top
+    if HAS_TOP_P:  # the smallest prefix (by logit, then lowest id) whose softmax reaches top_p
+        p = tl.exp(v - tl.max(v, axis=0))
+        p = p / tl.sum(p, axis=0)
+        ahead = (v[None, :] > v[:, None]) | ((v[None, :] == v[:, None]) & (ids[None, :] < ids[:, None]))
+        before = tl.sum(tl.where(ahead, p[None, :], 0.0), axis=1)
+        top_p = tl.load(top_p_ptr + row)
+        keep = top & (before < tl.where(top_p >= 1.0, float("inf"), top_p))
 
-    # 5. The draw among the kept (greedy rows: the single candidate, the first maximum).
-    key = tl.load(row_keys_ptr + row).to(tl.uint32)
-    score = gumbel_max_scores(v, key, key >> 7, ids, greedy, 1.0, FAST_LOG)
+    # The draw among the kept (greedy rows: the single candidate); equal scores: the lowest id.
+    seed_key = tl.load(row_keys_ptr + row).to(tl.uint32)
+    score = gumbel_max_scores(v, seed_key, seed_key >> 7, ids, greedy, 1.0, FAST_LOG)
     score = tl.where(keep, score, float("-inf"))
     best = tl.max(score, axis=0)
-    winner = tl.min(tl.where(score == best, c, MAX_K), axis=0)
-    tl.store(out_ptr + row, tl.sum(tl.where(c == winner, ids, 0), axis=0).to(tl.int64))
+    tl.store(out_ptr + row, tl.min(tl.where(score == best, ids, vocab_size), axis=0).to(tl.int64))
 
 
-def sample_top_k_rows(logits: torch.Tensor, temperatures: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
-                      row_keys: torch.Tensor, out: torch.Tensor | None = None, block: int = 2048,
+def _num_chunks(batch: int, vocab_size: int, max_top_k: int, device: torch.device, config: TopKConfig) -> int:
+    """~programs_per_sm programs per SM, but no chunk shorter than two tiles, and few enough that the
+    list keeps well under MAX_CANDIDATES (about chunks x k keys reach the bound)."""
+    return max(1, min(triton.cdiv(config.programs_per_sm * _device_sms(device), batch),
+                      triton.cdiv(vocab_size, 2 * config.block), MAX_CANDIDATES // (2 * max_top_k)))
+
+
+def sample_top_k_rows(logits: torch.Tensor, temperatures: torch.Tensor, top_k: torch.Tensor,
+                      top_p: torch.Tensor | None, row_keys: torch.Tensor, max_top_k: int = MAX_TOP_K,
+                      out: torch.Tensor | None = None, config: TopKConfig | None = None,
                       fast_log: bool | None = None) -> torch.Tensor:
     """logits [B, V] fp16/bf16 (unit stride on V); temperatures [B] fp32 (0: greedy); top_k [B] in
-    [1, MAX_TOP_K] (any value on greedy rows); top_p [B] fp32 in (0, 1]; row_keys [B] int64
-    (`nanovllm.layers.sampler.row_keys`). Returns [B] int64 token ids."""
+    [1, max_top_k] (any value on greedy rows), max_top_k <= MAX_TOP_K; top_p [B] fp32 in (0, 1], or
+    None for no top-p; row_keys [B] int64 (`nanovllm.layers.sampler.row_keys`). Returns [B] int64
+    token ids. config: another `TopKConfig`, for scripts/bench_sample_top_k.py."""
     from nanovllm.kernels.sample import fast_logf
     batch, vocab_size = logits.shape
     assert logits.dtype in (torch.float16, torch.bfloat16) and logits.stride(-1) == 1
+    assert 0 < max_top_k <= MAX_TOP_K
     if out is None:
         out = torch.empty(batch, dtype=torch.int64, device=logits.device)
     if batch == 0:
         return out
-    cand_val = torch.empty(batch, MAX_TOP_K, dtype=torch.float32, device=logits.device)
-    cand_id = torch.empty(batch, MAX_TOP_K, dtype=torch.int32, device=logits.device)
+    config = config or DEFAULT_TOP_K_CONFIG
+    assert config.block >= MAX_TOP_K  # step 1 needs k lanes
+    chunks = _num_chunks(batch, vocab_size, max_top_k, logits.device, config)
+    chunk = triton.cdiv(triton.cdiv(vocab_size, chunks), config.block) * config.block
+    chunks = triton.cdiv(vocab_size, chunk)
+    counts = torch.zeros(batch, 2, dtype=torch.int32, device=logits.device)  # bound, number listed
+    cand_key = torch.empty(batch, MAX_CANDIDATES, dtype=torch.int32, device=logits.device)
+    cand_id = torch.empty(batch, MAX_CANDIDATES, dtype=torch.int32, device=logits.device)
     if fast_log is None:
         fast_log = logits.is_cuda and fast_logf is not None
-    _top_k_sample_kernel[(batch,)](
-        logits, logits.stride(0), vocab_size, temperatures, top_k, top_p, row_keys,
-        cand_val, cand_id, out, BLOCK=min(block, triton.next_power_of_2(vocab_size)), MAX_K=MAX_TOP_K,
-        FAST_LOG=fast_log, num_warps=4, **PDL_LAUNCH)
+    row = (logits, logits.stride(0), vocab_size)
+    launch = dict(num_warps=config.num_warps, **PDL_LAUNCH)
+    _bound_kernel[(batch, chunks)](*row, chunk, temperatures, top_k, counts, BLOCK=config.block, **launch)
+    _compact_kernel[(batch, chunks)](*row, chunk, counts, cand_key, cand_id, BLOCK=config.block, CAP=MAX_CANDIDATES,
+                                     **launch)
+    _finish_kernel[(batch,)](*row, temperatures, top_k, top_p if top_p is not None else temperatures, row_keys,
+                             counts, cand_key, cand_id, out, BLOCK=config.block, CAP=MAX_CANDIDATES, MAX_K=MAX_TOP_K,
+                             ID_BITS=max(1, (vocab_size - 1).bit_length()), HAS_TOP_P=top_p is not None,
+                             FAST_LOG=fast_log, num_warps=4, **PDL_LAUNCH)
     return out

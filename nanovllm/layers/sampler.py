@@ -48,6 +48,7 @@ class SamplingMetadata:
     top_p: torch.Tensor | None = None         # [F] float32, 1.0 = off; None when no row uses top-p
     max_top_k: int = 0
     top_k_bounded: bool = False               # every filtered row has top_k > 0 (candidates suffice)
+    random_rows_filtered: bool = False        # every random row is a filtered row (the rest are greedy)
     # min-p, over the random rows that use it.
     min_p_rows: torch.Tensor | None = None
     min_p: torch.Tensor | None = None         # [M] float32; None when no row uses min-p
@@ -250,6 +251,28 @@ def _sample_top_k(x: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor | No
     return idx.gather(1, choice).squeeze(1)
 
 
+def top_k_kernel_serves(dtype: torch.dtype, meta: SamplingMetadata) -> bool:
+    """Whether the top-k draw's kernels (kernels/sample_top_k.py; on the GPU) can draw the batch:
+    16-bit logits, every random row with a top_k they take (greedy rows come along), and none of
+    the stages that run before the filters on fp32 logits (min_tokens bans, penalties, min-p)."""
+    from nanovllm.kernels.sample_top_k import MAX_TOP_K
+    return (dtype in (torch.bfloat16, torch.float16) and meta.top_k_bounded
+            and meta.random_rows_filtered and 0 < meta.max_top_k <= MAX_TOP_K and meta.min_p is None
+            and meta.penalties is None and meta.banned_ids is None)
+
+
+def _sample_top_k_kernel(logits: torch.Tensor, meta: SamplingMetadata, keys: torch.Tensor) -> torch.Tensor:
+    """The draw of `_sample_top_k` (and greedy rows' argmax) in the kernels' few passes over the
+    16-bit logits, instead of fp32 copies and a vocabulary-wide topk."""
+    from nanovllm.kernels.sample_top_k import sample_top_k_rows
+    top_k, top_p = meta.top_k, meta.top_p
+    if meta.filter_rows is not None:  # the other rows are greedy: any top_k, top_p serves them
+        batch = logits.shape[0]
+        top_k = top_k.new_ones(batch).index_copy_(0, meta.filter_rows, top_k)
+        top_p = None if top_p is None else top_p.new_ones(batch).index_copy_(0, meta.filter_rows, top_p)
+    return sample_top_k_rows(logits, meta.temperatures, top_k, top_p, keys, meta.max_top_k)
+
+
 def _on_rows(x: torch.Tensor, rows: torch.Tensor | None, fn) -> torch.Tensor:
     if rows is None:
         return fn(x)
@@ -274,6 +297,11 @@ class Sampler(nn.Module):
     def sample(self, logits: torch.Tensor, meta: SamplingMetadata) -> SamplerOutput:
         filters = meta.min_p is not None or meta.top_k is not None or meta.top_p is not None
         keys = meta.row_keys if meta.row_keys is not None else row_keys(meta.seeds, meta.offsets)
+        if logits.is_cuda and top_k_kernel_serves(logits.dtype, meta):
+            tokens = _sample_top_k_kernel(logits, meta, keys)
+            if meta.max_num_logprobs is None:
+                return SamplerOutput(tokens)
+            return self._with_logprobs(logits.float(), tokens, meta.max_num_logprobs)
         if logits.is_cuda and not filters:
             # One fused pass over the logits (kernels/sample.py) replaces the float copy, softmax,
             # noise tensor and division of the general path; the same draws up to float rounding.

@@ -79,6 +79,7 @@ def build_sampling_metadata(seqs: list[Sequence], device: torch.device, eos_toke
             meta.top_k = _to_device(np.asarray(top_ks, dtype=np.int64), device)
             meta.max_top_k = max(top_ks)
             meta.top_k_bounded = all(top_ks)
+        meta.random_rows_filtered = len(filter_rows) == num_seqs - int(greedy.sum())
         if any(p < 1.0 for p in top_ps):
             meta.top_p = _to_device(np.asarray(top_ps, dtype=np.float32), device)
     if min_p_rows:

@@ -99,6 +99,29 @@ def test_cuda_graph_sampling_identical_to_eager_fp32(model_factory):
     assert len(set(map(tuple, runs[False][0]))) > len(prompts) // 2  # seeds differ: so do the draws
 
 
+def test_qwen3_06b_bf16_top_k_kernels_draw_the_torch_paths_tokens(tmp_path, monkeypatch):
+    """Seeded top-k and top-k + top-p requests beside greedy ones on bf16 logits: the sampler's
+    top-k kernels (kernels/sample_top_k.py) give the tokens of its torch path."""
+    import shutil
+
+    import nanovllm.layers.sampler as sampler
+    shutil.copy(QWEN3_06B, tmp_path / "config.json")
+    kwargs = dict(load_format="dummy", dtype="bfloat16", max_model_len=2048, max_num_seqs=16,
+                  gpu_memory_utilization=0.3)
+    prompts = make_prompts(8, lengths=(10, 100, 300))
+    params = [SamplingParams(temperature=0.0 if i % 4 == 3 else 0.9, top_k=(20, 50, 128)[i % 3],
+                             top_p=0.9 if i % 2 else 1.0, seed=i, max_tokens=24, ignore_eos=True)
+              for i in range(len(prompts))]
+    runs = []
+    for kernels in (True, False):
+        if not kernels:
+            monkeypatch.setattr(sampler, "top_k_kernel_serves", lambda *args: False)
+        with LLM(str(tmp_path), **kwargs) as llm:
+            runs.append([o["token_ids"] for o in llm.generate(prompts, params, use_tqdm=False)])
+    assert runs[0] == runs[1]
+    assert len(set(map(tuple, runs[0]))) == len(prompts)
+
+
 def test_qwen3_06b_bf16_triton_agrees_with_torch_backend(tmp_path):
     import shutil
     shutil.copy(QWEN3_06B, tmp_path / "config.json")

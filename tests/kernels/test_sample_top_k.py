@@ -1,8 +1,8 @@
-"""The one-kernel top-k / top-p draw against the torch sampler's candidate draw (`_sample_top_k`)."""
+"""The top-k / top-p draw's kernels against the torch sampler's candidate draw (`_sample_top_k`)."""
 import pytest
 import torch
 
-from nanovllm.kernels.sample_top_k import MAX_TOP_K, sample_top_k_rows
+from nanovllm.kernels.sample_top_k import MAX_TOP_K, TopKConfig, sample_top_k_rows
 from nanovllm.layers.sampler import _gumbel, _sample_top_k, row_keys
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -26,9 +26,14 @@ def _reference(logits, temps, top_k, top_p, keys):
     return torch.where(temps > 0, drawn, x.argmax(-1))
 
 
+# The default, and chunks of two 128-logit tiles (each row cut into up to a dozen programs).
+CONFIGS = [None, TopKConfig(64, 128, 4)]
+
+
+@pytest.mark.parametrize("config", CONFIGS, ids=["default", "split"])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("vocab", [300, 3001])
-def test_draws_the_torch_samplers_tokens(dtype, vocab):
+def test_draws_the_torch_samplers_tokens(dtype, vocab, config):
     gen = torch.Generator().manual_seed(vocab)
     rows = 24
     logits = _distinct_logits(rows, vocab, gen, dtype)
@@ -38,10 +43,12 @@ def test_draws_the_torch_samplers_tokens(dtype, vocab):
     top_k[1], top_k[2] = 1, MAX_TOP_K
     top_p = torch.rand(rows, generator=gen) * 0.9 + 0.1
     top_p[::3] = 1.0
+    if config is not None:
+        top_p = None if vocab == 300 else top_p  # also the variant without top-p
     keys = row_keys(torch.randint(0, 2**62, (rows,), generator=gen), torch.randint(0, 900, (rows,), generator=gen))
     expected = _reference(logits, temps, top_k, top_p, keys)
-    dev = [t.to(DEVICE) for t in (logits, temps, top_k, top_p, keys)]
-    got = sample_top_k_rows(*dev).cpu()
+    dev = [None if t is None else t.to(DEVICE) for t in (logits, temps, top_k, top_p, keys)]
+    got = sample_top_k_rows(*dev, config=config).cpu()
     if DEVICE != "cuda":
         assert torch.equal(got, expected)
         return
@@ -54,28 +61,36 @@ def test_draws_the_torch_samplers_tokens(dtype, vocab):
         assert temps[row] > 0 and abs(a - b) <= 1e-5 * max(1.0, abs(a)), (row, a, b)
 
 
-def test_ties_at_the_kth_logit_take_the_lowest_ids():
+@pytest.mark.parametrize("config", CONFIGS, ids=["default", "split"])
+def test_ties_at_the_kth_logit_take_the_lowest_ids(config):
     """Logits 3, 2, 2, 2, 1, ...: with k = 2 the candidates are token 0 and token 1 (the first of the
-    tied), so every draw is one of those two; all-equal logits draw among the first k ids."""
-    rows, vocab = 64, 500
+    tied), so every draw is one of those two; all-equal logits (a tie longer than MAX_CANDIDATES)
+    draw among the first k ids, as does a tie of 60 at the end of the row."""
+    rows, vocab = 24, 500
     logits = torch.ones(rows, vocab)
     logits[:, 0], logits[:, 1:4] = 3.0, 2.0
     keys = row_keys(torch.arange(rows), torch.zeros(rows, dtype=torch.int64))
     args = (torch.full((rows,), 4.0), torch.full((rows,), 2), torch.ones(rows), keys)
-    got = sample_top_k_rows(logits.half().to(DEVICE), *(t.to(DEVICE) for t in args)).cpu()
+    got = sample_top_k_rows(logits.half().to(DEVICE), *(t.to(DEVICE) for t in args), config=config).cpu()
     assert set(got.tolist()) == {0, 1}
-    flat = torch.zeros(rows, vocab, dtype=torch.float16, device=DEVICE)
+    flat = torch.zeros(rows, 3000, dtype=torch.float16, device=DEVICE)  # a tie longer than the kernels' list
     args = (torch.ones(rows), torch.full((rows,), 7), torch.ones(rows), keys)
-    got = sample_top_k_rows(flat, *(t.to(DEVICE) for t in args)).cpu()
+    got = sample_top_k_rows(flat, *(t.to(DEVICE) for t in args), config=config).cpu()
     assert set(got.tolist()) == set(range(7))
+    tail = torch.zeros(rows, vocab, dtype=torch.float16)
+    tail[:, :5], tail[:, -60:] = 2.0, 1.0
+    args = (torch.ones(rows), torch.full((rows,), 9), torch.ones(rows), keys)
+    got = sample_top_k_rows(tail.to(DEVICE), *(t.to(DEVICE) for t in args), config=config).cpu()
+    drawn = set(got.tolist())
+    assert drawn <= set(range(5)) | set(range(vocab - 60, vocab - 56)) and drawn & set(range(vocab - 60, vocab))
 
 
 def test_top_p_keeps_the_smallest_prefix_reaching_p():
     """Candidates with probabilities ~0.5, 0.3, 0.2 (k = 3): top_p 0.45 keeps only the first, 0.65 the
     first two; a greedy row takes the maximum whatever its filters."""
-    rows, vocab = 64, 200
+    rows, vocab = 32, 200
     logits = torch.full((rows, vocab), -30.0)
-    logits[:, 5], logits[:, 9], logits[:, 2] = 0.0, float(torch.log(torch.tensor(0.6))), float(torch.log(torch.tensor(0.4)))
+    logits[:, 5], logits[:, 9], logits[:, 2] = 0.0, torch.tensor(0.6).log().item(), torch.tensor(0.4).log().item()
     keys = row_keys(torch.arange(rows), torch.zeros(rows, dtype=torch.int64))
     temps = torch.ones(rows)
     temps[0] = 0.0
@@ -83,3 +98,44 @@ def test_top_p_keeps_the_smallest_prefix_reaching_p():
         args = (temps, torch.full((rows,), 3), torch.full((rows,), top_p), keys)
         got = sample_top_k_rows(logits.half().to(DEVICE), *(t.to(DEVICE) for t in args)).cpu()
         assert got[0] == 5 and set(got.tolist()) == allowed, (top_p, set(got.tolist()))
+
+
+def _metadata(params, device=DEVICE):
+    from nanovllm.engine.sequence import Sequence
+    from nanovllm.worker.sampling_inputs import build_sampling_metadata
+    seqs = [Sequence([1, 2, 3], p, seed=50 + i) for i, p in enumerate(params)]
+    return build_sampling_metadata(seqs, torch.device(device), (), None)
+
+
+def test_sampler_routes_bounded_top_k_batches_to_the_kernels():
+    """Which batches the sampler gives the kernels: random rows all with a top_k up to MAX_TOP_K
+    (greedy rows may come along), 16-bit logits, no stage that runs on fp32 logits first."""
+    from nanovllm.layers.sampler import top_k_kernel_serves
+    from nanovllm.sampling_params import SamplingParams as SP
+    serves = lambda params, dtype=torch.bfloat16: top_k_kernel_serves(dtype, _metadata(params))  # noqa: E731
+    assert serves([SP(top_k=50), SP(top_k=5, top_p=0.9)])
+    assert serves([SP(top_k=50), SP(temperature=0.0)])
+    assert serves([SP(top_k=MAX_TOP_K)], torch.float16)
+    assert not serves([SP(top_k=50)], torch.float32)
+    assert not serves([SP(top_k=MAX_TOP_K + 1)])
+    assert not serves([SP(top_k=50), SP()])  # a random row without top-k
+    assert not serves([SP(top_k=50), SP(top_p=0.9)])  # top-p alone is unbounded
+    assert not serves([SP(top_k=50, min_p=0.1)])
+    assert not serves([SP(top_k=50, repetition_penalty=1.2)])
+    assert not serves([SP(top_k=50, min_tokens=3, stop_token_ids=[7])])
+    assert not serves([SP(temperature=0.0)])
+
+
+def test_sampler_kernel_draw_equals_the_torch_path_on_a_mixed_batch():
+    """Greedy rows, top-k rows and top-k + top-p rows in one batch, with logprobs: the kernels'
+    tokens (rows given to them through `filter_rows`) are the torch path's."""
+    from nanovllm.layers.sampler import Sampler, _sample_top_k_kernel
+    from nanovllm.sampling_params import SamplingParams as SP
+    params = [SP(temperature=0.0), SP(temperature=0.7, top_k=40), SP(temperature=1.1, top_k=3, top_p=0.8),
+              SP(temperature=0.0, top_k=9), SP(temperature=0.5, top_k=MAX_TOP_K, top_p=0.5)] * 2
+    meta = _metadata(params)
+    assert meta.filter_rows is not None and meta.top_p is not None
+    logits = _distinct_logits(len(params), 3001, torch.Generator().manual_seed(7), torch.bfloat16)
+    expected = Sampler().sample(logits, _metadata(params, "cpu")).token_ids  # the torch path, on the CPU
+    got = _sample_top_k_kernel(logits.to(DEVICE), meta, meta.row_keys).cpu()
+    assert torch.equal(got, expected)
