@@ -1,6 +1,7 @@
 """The top-k / top-p draw at decode batch sizes over a Qwen3-sized vocabulary: the torch path
 (`_sample_top_k` through `Sampler.sample`, eager) against the kernels' draw (`kernels/sample_top_k.py`,
-the default configuration and others) and, for scale, the plain sampling pass.
+the default configuration and others) and, for scale, the plain sampling pass; then top-p alone
+(`_top_k_top_p`'s full sort, then the draw) against `kernels/sample_top_p.py`.
 
     python scripts/bench_sample_top_k.py      (GPU machine; STAGES=sampletopk bash scripts/gpu_check.sh)
 
@@ -19,6 +20,7 @@ import triton.testing
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 from nanovllm.engine.sequence import Sequence  # noqa: E402
 from nanovllm.kernels.sample import sample_rows  # noqa: E402
+from nanovllm.kernels.sample_top_p import sample_top_p_rows  # noqa: E402
 from nanovllm.kernels.sample_top_k import DEFAULT_TOP_K_CONFIG, TopKConfig, sample_top_k_rows  # noqa: E402
 from nanovllm.layers import sampler as sampler_module  # noqa: E402
 from nanovllm.layers.sampler import Sampler  # noqa: E402
@@ -27,8 +29,7 @@ from nanovllm.worker.sampling_inputs import build_sampling_metadata  # noqa: E40
 
 VOCAB = 151936
 # (programs per SM, block, warps) besides the default.
-VARIANTS = [TopKConfig(4, 1024, 4), TopKConfig(8, 1024, 4), TopKConfig(32, 1024, 4), TopKConfig(16, 2048, 4),
-            TopKConfig(16, 2048, 8), TopKConfig(16, 512, 4), TopKConfig(32, 512, 4), TopKConfig(16, 4096, 8)]
+VARIANTS = [TopKConfig(8, 1024, 4), TopKConfig(32, 512, 4)]
 
 
 def _eager_us(fn, reps: int = 20) -> float:
@@ -47,12 +48,12 @@ def _eager_us(fn, reps: int = 20) -> float:
 @contextlib.contextmanager
 def _kernels_off():
     """The sampler's torch path for top-k batches, as before the kernels."""
-    serves = sampler_module.top_k_kernel_serves
-    sampler_module.top_k_kernel_serves = lambda *args: False
+    pick = sampler_module._filter_kernel_draw
+    sampler_module._filter_kernel_draw = lambda *args: None
     try:
         yield
     finally:
-        sampler_module.top_k_kernel_serves = serves
+        sampler_module._filter_kernel_draw = pick
 
 
 def main():
@@ -104,5 +105,43 @@ def main():
             print(f"         {tuple(config)}: {us:6.1f} us (default {tuple(DEFAULT_TOP_K_CONFIG)})", flush=True)
 
 
+def main_top_p():
+    device = torch.device("cuda")
+    sampler = Sampler()
+    for batch in (1, 16, 64, 128, 256):
+        g = torch.Generator(device="cuda").manual_seed(batch)
+        copies = max(1, -(-120_000_000 // (batch * VOCAB * 2)))
+        logits = [(torch.randn(batch, VOCAB, device="cuda", generator=g) * 3).to(torch.bfloat16)
+                  for _ in range(copies)]
+        seqs = [Sequence([1, 2, 3], SamplingParams(temperature=0.6, top_p=0.9), seed=1000 + i) for i in range(batch)]
+        meta = build_sampling_metadata(seqs, device, frozenset(), VOCAB)
+        out = torch.empty(batch, dtype=torch.int64, device="cuda")
+
+        def torch_path():
+            with _kernels_off():
+                for x in logits:
+                    sampler.sample(x, meta)
+
+        def kernel():
+            for x in logits:
+                sample_top_p_rows(x, meta.temperatures, meta.top_p, meta.row_keys, out=out)
+
+        t_torch = _eager_us(torch_path) / copies
+        t_kernel = triton.testing.do_bench_cudagraph(kernel, rep=50) * 1e3 / copies
+        with _kernels_off():
+            expected = sampler.sample(logits[0], meta).token_ids
+        got = sample_top_p_rows(logits[0], meta.temperatures, meta.top_p, meta.row_keys)
+        print(f"top-p alone, B={batch:3d}: torch path {t_torch:7.1f} us, kernel {t_kernel:6.1f} us; rows drawing "
+              f"unlike the torch path: {(got != expected).sum().item()}/{batch}", flush=True)
+        for block, warps in ((1024, 4), (2048, 4), (4096, 8), (4096, 16)):
+            def variant():
+                for x in logits:
+                    sample_top_p_rows(x, meta.temperatures, meta.top_p, meta.row_keys, out=out, block=block,
+                                      num_warps=warps)
+            us = triton.testing.do_bench_cudagraph(variant, rep=50) * 1e3 / copies
+            print(f"         block {block}, {warps} warps: {us:6.1f} us", flush=True)
+
+
 if __name__ == "__main__":
     main()
+    main_top_p()

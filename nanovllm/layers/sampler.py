@@ -273,6 +273,32 @@ def _sample_top_k_kernel(logits: torch.Tensor, meta: SamplingMetadata, keys: tor
     return sample_top_k_rows(logits, meta.temperatures, top_k, top_p, keys, meta.max_top_k)
 
 
+def top_p_kernel_serves(meta: SamplingMetadata) -> bool:
+    """Whether the top-p draw's kernel (kernels/sample_top_p.py; on the GPU) can draw the batch:
+    top-p on some rows, top-k on none, and none of the stages that run before the filters on fp32
+    logits (min_tokens bans, penalties, min-p). The other rows come along (greedy, or top_p = 1)."""
+    return (meta.top_p is not None and meta.top_k is None and meta.min_p is None and meta.penalties is None
+            and meta.banned_ids is None)
+
+
+def _sample_top_p_kernel(logits: torch.Tensor, meta: SamplingMetadata, keys: torch.Tensor) -> torch.Tensor:
+    """The draw over each row's nucleus without sorting the vocabulary (kernels/sample_top_p.py)."""
+    from nanovllm.kernels.sample_top_p import sample_top_p_rows
+    top_p = meta.top_p
+    if meta.filter_rows is not None:
+        top_p = top_p.new_ones(logits.shape[0]).index_copy_(0, meta.filter_rows, top_p)
+    return sample_top_p_rows(logits, meta.temperatures, top_p, keys)
+
+
+def _filter_kernel_draw(dtype: torch.dtype, meta: SamplingMetadata):
+    """The kernels' draw that serves the batch's filters on the GPU, or None (the torch path)."""
+    if top_k_kernel_serves(dtype, meta):
+        return _sample_top_k_kernel
+    if top_p_kernel_serves(meta):
+        return _sample_top_p_kernel
+    return None
+
+
 def _on_rows(x: torch.Tensor, rows: torch.Tensor | None, fn) -> torch.Tensor:
     if rows is None:
         return fn(x)
@@ -297,8 +323,9 @@ class Sampler(nn.Module):
     def sample(self, logits: torch.Tensor, meta: SamplingMetadata) -> SamplerOutput:
         filters = meta.min_p is not None or meta.top_k is not None or meta.top_p is not None
         keys = meta.row_keys if meta.row_keys is not None else row_keys(meta.seeds, meta.offsets)
-        if logits.is_cuda and top_k_kernel_serves(logits.dtype, meta):
-            tokens = _sample_top_k_kernel(logits, meta, keys)
+        kernel_draw = _filter_kernel_draw(logits.dtype, meta) if logits.is_cuda else None
+        if kernel_draw is not None:  # the filters and the draw in Triton kernels, no fp32 copies
+            tokens = kernel_draw(logits, meta, keys)
             if meta.max_num_logprobs is None:
                 return SamplerOutput(tokens)
             return self._with_logprobs(logits.float(), tokens, meta.max_num_logprobs)

@@ -99,9 +99,11 @@ def test_cuda_graph_sampling_identical_to_eager_fp32(model_factory):
     assert len(set(map(tuple, runs[False][0]))) > len(prompts) // 2  # seeds differ: so do the draws
 
 
-def test_qwen3_06b_bf16_top_k_kernels_draw_the_torch_paths_tokens(tmp_path, monkeypatch):
-    """Seeded top-k and top-k + top-p requests beside greedy ones on bf16 logits: the sampler's
-    top-k kernels (kernels/sample_top_k.py) give the tokens of its torch path."""
+@pytest.mark.parametrize("filters", ["top_k", "top_p"])
+def test_qwen3_06b_bf16_filter_kernels_draw_the_torch_paths_tokens(filters, tmp_path, monkeypatch):
+    """Seeded top-k (+ top-p) requests, or top-p requests beside plain random ones, with greedy ones,
+    on bf16 logits: the sampler's kernels (kernels/sample_top_k.py, sample_top_p.py) give the
+    tokens of its torch path."""
     import shutil
 
     import nanovllm.layers.sampler as sampler
@@ -109,13 +111,17 @@ def test_qwen3_06b_bf16_top_k_kernels_draw_the_torch_paths_tokens(tmp_path, monk
     kwargs = dict(load_format="dummy", dtype="bfloat16", max_model_len=2048, max_num_seqs=16,
                   gpu_memory_utilization=0.3)
     prompts = make_prompts(8, lengths=(10, 100, 300))
-    params = [SamplingParams(temperature=0.0 if i % 4 == 3 else 0.9, top_k=(20, 50, 128)[i % 3],
-                             top_p=0.9 if i % 2 else 1.0, seed=i, max_tokens=24, ignore_eos=True)
-              for i in range(len(prompts))]
+    if filters == "top_k":
+        params = [SamplingParams(temperature=0.0 if i % 4 == 3 else 0.9, top_k=(20, 50, 128)[i % 3],
+                                 top_p=0.9 if i % 2 else 1.0, seed=i, max_tokens=24, ignore_eos=True)
+                  for i in range(len(prompts))]
+    else:
+        params = [SamplingParams(temperature=0.0 if i % 4 == 3 else 0.9, top_p=(0.5, 0.9, 1.0)[i % 3], seed=i,
+                                 max_tokens=24, ignore_eos=True) for i in range(len(prompts))]
     runs = []
     for kernels in (True, False):
         if not kernels:
-            monkeypatch.setattr(sampler, "top_k_kernel_serves", lambda *args: False)
+            monkeypatch.setattr(sampler, "_filter_kernel_draw", lambda *args: None)
         with LLM(str(tmp_path), **kwargs) as llm:
             runs.append([o["token_ids"] for o in llm.generate(prompts, params, use_tqdm=False)])
     assert runs[0] == runs[1]

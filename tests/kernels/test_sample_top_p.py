@@ -1,0 +1,103 @@
+"""The top-p draw's kernel against the torch sampler's path (full sort, nucleus mask, Gumbel-max)."""
+import pytest
+import torch
+
+from nanovllm.kernels.sample_top_p import sample_top_p_rows
+from nanovllm.layers.sampler import _gumbel, _top_k_top_p, row_keys
+from test_sample_top_k import _distinct_logits
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _reference(logits, temps, top_p, keys):
+    """The torch sampler's draw: greedy rows the argmax, random rows the Gumbel-max over the nucleus
+    of logits / T."""
+    x = logits.float() / torch.where(temps > 0, temps, 1.0)[:, None]
+    nucleus = _top_k_top_p(x.clone(), None, top_p, 0)
+    ids = torch.arange(x.shape[1]).expand_as(x)
+    return torch.where(temps > 0, (nucleus + _gumbel(keys, ids)).argmax(-1), x.argmax(-1))
+
+
+def _check(got, expected, logits, temps, keys):
+    if DEVICE != "cuda":
+        assert torch.equal(got, expected)
+        return
+    # Approximate logs on the GPU: a row may take a token whose score ties the best to ~1e-5.
+    x = logits.float() / torch.where(temps > 0, temps, 1.0)[:, None]
+    scores = x + _gumbel(keys, torch.arange(x.shape[1]).expand_as(x))
+    for row in (got != expected).nonzero().flatten().tolist():
+        a, b = scores[row, expected[row]].item(), scores[row, got[row]].item()
+        assert temps[row] > 0 and abs(a - b) <= 1e-5 * max(1.0, abs(a)), (row, a, b)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("vocab", [300, 3001])
+def test_draws_the_torch_samplers_tokens(dtype, vocab):
+    gen = torch.Generator().manual_seed(vocab)
+    rows = 20
+    # Distinct values (scaled by a power of two: still distinct), so that the ranking needs no tie rule.
+    logits = _distinct_logits(rows, vocab, gen, torch.float16 if dtype == torch.float32 else dtype) * 0.125
+    logits = logits.to(dtype)
+    temps = torch.rand(rows, generator=gen) + 0.5
+    temps[::7] = 0.0
+    top_p = torch.tensor([0.01, 0.3, 0.5, 0.9, 0.99, 1.0] * 4)[:rows]
+    keys = row_keys(torch.randint(0, 2**62, (rows,), generator=gen), torch.randint(0, 900, (rows,), generator=gen))
+    expected = _reference(logits, temps, top_p, keys)
+    got = sample_top_p_rows(*(t.to(DEVICE) for t in (logits, temps, top_p, keys))).cpu()
+    _check(got, expected, logits, temps, keys)
+
+
+def test_nucleus_and_ties():
+    """Probabilities ~0.5, 0.3, 0.2: top_p 0.45 keeps only the first, 0.65 the first two. Ten equal
+    logits (the rest far below) with top_p 0.5: the nucleus is the five lowest ids."""
+    rows, vocab = 32, 200
+    logits = torch.full((rows, vocab), -30.0)
+    logits[:, 5], logits[:, 9], logits[:, 2] = 0.0, torch.tensor(0.6).log().item(), torch.tensor(0.4).log().item()
+    keys = row_keys(torch.arange(rows), torch.zeros(rows, dtype=torch.int64))
+    temps = torch.ones(rows)
+    temps[0] = 0.0
+    for top_p, allowed in ((0.45, {5}), (0.65, {5, 9}), (1.0, {5, 9, 2})):
+        got = sample_top_p_rows(logits.half().to(DEVICE), temps.to(DEVICE), torch.full((rows,), top_p, device=DEVICE),
+                                keys.to(DEVICE)).cpu()
+        assert got[0] == 5 and set(got.tolist()) == allowed, (top_p, set(got.tolist()))
+    tied = torch.full((rows, vocab), -30.0)
+    tied[:, 100:110] = 1.0
+    got = sample_top_p_rows(tied.half().to(DEVICE), torch.ones(rows, device=DEVICE), torch.full((rows,), 0.5, device=DEVICE),
+                            keys.to(DEVICE)).cpu()
+    assert set(got.tolist()) <= set(range(100, 105)) and len(set(got.tolist())) > 1
+
+
+def _metadata(params, device=DEVICE):
+    from nanovllm.engine.sequence import Sequence
+    from nanovllm.worker.sampling_inputs import build_sampling_metadata
+    seqs = [Sequence([1, 2, 3], p, seed=70 + i) for i, p in enumerate(params)]
+    return build_sampling_metadata(seqs, torch.device(device), (), None)
+
+
+def test_sampler_picks_the_kernel_draw_for_its_filters():
+    from nanovllm.layers.sampler import _filter_kernel_draw, _sample_top_k_kernel, _sample_top_p_kernel
+    from nanovllm.sampling_params import SamplingParams as SP
+    pick = lambda params: _filter_kernel_draw(torch.bfloat16, _metadata(params))  # noqa: E731
+    assert pick([SP(top_p=0.9), SP(), SP(temperature=0.0)]) is _sample_top_p_kernel
+    assert pick([SP(top_k=20, top_p=0.9), SP(temperature=0.0)]) is _sample_top_k_kernel
+    assert pick([SP(top_k=500, top_p=0.9)]) is None  # top-k past the top-k kernel's bound
+    assert pick([SP(top_p=0.9), SP(top_k=20)]) is None  # a random row without top-k beside a top-k one
+    assert pick([SP(top_p=0.9, min_p=0.1)]) is None
+    assert pick([SP(top_p=0.9, frequency_penalty=0.5)]) is None
+    assert pick([SP(top_p=0.9, min_tokens=2, stop_token_ids=[3])]) is None
+    assert pick([SP(), SP(temperature=0.0)]) is None  # no filter: the plain draw
+
+
+def test_sampler_kernel_draw_equals_the_torch_path_on_a_mixed_batch():
+    """Greedy rows, plain random rows and top-p rows in one batch: the kernel's tokens (the other
+    rows given top_p = 1) are the torch path's."""
+    from nanovllm.layers.sampler import Sampler, _sample_top_p_kernel
+    from nanovllm.sampling_params import SamplingParams as SP
+    params = [SP(temperature=0.0), SP(temperature=0.7, top_p=0.3), SP(temperature=1.3),
+              SP(temperature=1.1, top_p=0.95), SP(temperature=0.0, top_p=0.5)] * 2
+    meta = _metadata(params)
+    assert meta.filter_rows is not None
+    logits = _distinct_logits(len(params), 3001, torch.Generator().manual_seed(9), torch.bfloat16) * 0.125
+    expected = Sampler().sample(logits, _metadata(params, "cpu")).token_ids  # the torch path, on the CPU
+    got = _sample_top_p_kernel(logits.to(DEVICE), meta, meta.row_keys).cpu()
+    assert torch.equal(got, expected)
