@@ -56,17 +56,20 @@ def _kernels_off():
         sampler_module._filter_kernel_draw = pick
 
 
+def _batch(batch: int, **filters):
+    """Enough copies of [batch, VOCAB] bf16 logits to exceed the L2 cache, and the metadata of a batch
+    of requests at temperature 0.6 with the given filters."""
+    g = torch.Generator(device="cuda").manual_seed(batch)
+    copies = max(1, -(-120_000_000 // (batch * VOCAB * 2)))
+    logits = [(torch.randn(batch, VOCAB, device="cuda", generator=g) * 3).to(torch.bfloat16) for _ in range(copies)]
+    seqs = [Sequence([1, 2, 3], SamplingParams(temperature=0.6, **filters), seed=1000 + i) for i in range(batch)]
+    return copies, logits, build_sampling_metadata(seqs, torch.device("cuda"), frozenset(), VOCAB)
+
+
 def main():
-    device = torch.device("cuda")
     sampler = Sampler()
     for batch in (1, 16, 64, 128, 256):
-        g = torch.Generator(device="cuda").manual_seed(batch)
-        copies = max(1, -(-120_000_000 // (batch * VOCAB * 2)))
-        logits = [(torch.randn(batch, VOCAB, device="cuda", generator=g) * 3).to(torch.bfloat16)
-                  for _ in range(copies)]
-        seqs = [Sequence([1, 2, 3], SamplingParams(temperature=0.6, top_k=50, top_p=0.9), seed=1000 + i)
-                for i in range(batch)]
-        meta = build_sampling_metadata(seqs, device, frozenset(), VOCAB)
+        copies, logits, meta = _batch(batch, top_k=50, top_p=0.9)
         top_k = torch.full((batch,), 50, device="cuda")
         top_p = torch.full((batch,), 0.9, device="cuda")
         out = torch.empty(batch, dtype=torch.int64, device="cuda")
@@ -106,15 +109,9 @@ def main():
 
 
 def main_top_p():
-    device = torch.device("cuda")
     sampler = Sampler()
     for batch in (1, 16, 64, 128, 256):
-        g = torch.Generator(device="cuda").manual_seed(batch)
-        copies = max(1, -(-120_000_000 // (batch * VOCAB * 2)))
-        logits = [(torch.randn(batch, VOCAB, device="cuda", generator=g) * 3).to(torch.bfloat16)
-                  for _ in range(copies)]
-        seqs = [Sequence([1, 2, 3], SamplingParams(temperature=0.6, top_p=0.9), seed=1000 + i) for i in range(batch)]
-        meta = build_sampling_metadata(seqs, device, frozenset(), VOCAB)
+        copies, logits, meta = _batch(batch, top_p=0.9)
         out = torch.empty(batch, dtype=torch.int64, device="cuda")
 
         def torch_path():

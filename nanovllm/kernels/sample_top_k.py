@@ -73,13 +73,18 @@ def _kth_largest(values, valid, k, BITS: tl.constexpr = 16):
     return lo
 
 
+@triton.jit
+def _chunk_of_row(logits_ptr, stride_row, vocab_size, chunk):
+    """This program's row, its chunk [lo, hi) and the row's logits."""
+    row = tl.program_id(0)
+    lo = tl.program_id(1) * chunk
+    return row, lo, tl.minimum(lo + chunk, vocab_size), logits_ptr + row.to(tl.int64) * stride_row
+
+
 @triton.jit(do_not_specialize=["chunk"])
 def _bound_kernel(logits_ptr, stride_row, vocab_size, chunk, temps_ptr, top_k_ptr, counts_ptr, BLOCK: tl.constexpr):
     pdl_prologue()
-    row = tl.program_id(0)
-    lo = tl.program_id(1) * chunk
-    hi = tl.minimum(lo + chunk, vocab_size)
-    base = logits_ptr + row.to(tl.int64) * stride_row
+    row, lo, hi, base = _chunk_of_row(logits_ptr, stride_row, vocab_size, chunk)
     offs = tl.arange(0, BLOCK)
     lane_max = tl.zeros([BLOCK], tl.int32)  # the least key: a lane without logits bounds nothing
     for start in range(lo, hi, BLOCK):
@@ -94,10 +99,7 @@ def _bound_kernel(logits_ptr, stride_row, vocab_size, chunk, temps_ptr, top_k_pt
 def _compact_kernel(logits_ptr, stride_row, vocab_size, chunk, counts_ptr, cand_key_ptr, cand_id_ptr,
                     BLOCK: tl.constexpr, CAP: tl.constexpr):
     pdl_prologue()
-    row = tl.program_id(0)
-    lo = tl.program_id(1) * chunk
-    hi = tl.minimum(lo + chunk, vocab_size)
-    base = logits_ptr + row.to(tl.int64) * stride_row
+    row, lo, hi, base = _chunk_of_row(logits_ptr, stride_row, vocab_size, chunk)
     offs = tl.arange(0, BLOCK)
     bound = tl.load(counts_ptr + row * 2)
     for start in range(lo, hi, BLOCK):

@@ -28,6 +28,18 @@ from nanovllm.kernels.sample import gumbel_max_scores
 
 
 @triton.jit
+def _no_best(BLOCK: tl.constexpr):
+    return tl.full([BLOCK], float("-inf"), tl.float32), tl.zeros([BLOCK], tl.int32)
+
+
+@triton.jit
+def _keep_best(best, best_id, score, cols):
+    """Each lane's best (score, id) so far; strict: the first of equal scores stays."""
+    better = score > best
+    return tl.where(better, score, best), tl.where(better, cols, best_id)
+
+
+@triton.jit
 def _winner(best, best_id, vocab_size):
     """The id of the best lane; equal scores: the lowest id, as torch.argmax."""
     return tl.min(tl.where(best == tl.max(best, axis=0), best_id, vocab_size), axis=0)
@@ -49,17 +61,14 @@ def _top_p_kernel(logits_ptr, stride_row, vocab_size, temps_ptr, top_p_ptr, row_
 
     # Pass 0. Scaled as the torch sampler scales its logits (a division, not a product with 1/T).
     row_max = tl.full([BLOCK], float("-inf"), tl.float32)
-    best = tl.full([BLOCK], float("-inf"), tl.float32)
-    best_id = tl.zeros([BLOCK], tl.int32)
+    best, best_id = _no_best(BLOCK)
     for start in range(0, vocab_size, BLOCK):
         cols = start + offs
         mask = cols < vocab_size
         x = tl.load(base + cols, mask=mask, other=float("-inf")).to(tl.float32) / temp
         row_max = tl.maximum(row_max, x)
         score = tl.where(mask, gumbel_max_scores(x, key, salt, cols, greedy, 1.0, FAST_LOG), float("-inf"))
-        better = score > best  # strict: the first of equal scores stays
-        best = tl.where(better, score, best)
-        best_id = tl.where(better, cols, best_id)
+        best, best_id = _keep_best(best, best_id, score, cols)
     row_max = tl.max(row_max, axis=0)
     winner = _winner(best, best_id, vocab_size)
     done = greedy | (top_p >= 1.0)
@@ -69,8 +78,7 @@ def _top_p_kernel(logits_ptr, stride_row, vocab_size, temps_ptr, top_p_ptr, row_
         winner_x = tl.load(base + winner).to(tl.float32) / temp
         total = tl.zeros([BLOCK], tl.float32)
         before = tl.zeros([BLOCK], tl.float32)
-        best = tl.full([BLOCK], float("-inf"), tl.float32)
-        best_id = tl.zeros([BLOCK], tl.int32)
+        best, best_id = _no_best(BLOCK)
         for start in range(0, vocab_size, BLOCK):
             cols = start + offs
             mask = cols < vocab_size
@@ -80,9 +88,7 @@ def _top_p_kernel(logits_ptr, stride_row, vocab_size, temps_ptr, top_p_ptr, row_
             total += p
             before += tl.where(ahead, p, 0.0)
             score = tl.where(ahead, gumbel_max_scores(x, key, salt, cols, greedy, 1.0, FAST_LOG), float("-inf"))
-            better = score > best
-            best = tl.where(better, score, best)
-            best_id = tl.where(better, cols, best_id)
+            best, best_id = _keep_best(best, best_id, score, cols)
         done = tl.sum(before, axis=0) < top_p * tl.sum(total, axis=0)
         if not done:
             winner = _winner(best, best_id, vocab_size)

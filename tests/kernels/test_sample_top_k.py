@@ -85,9 +85,10 @@ def test_ties_at_the_kth_logit_take_the_lowest_ids(config):
     assert drawn <= set(range(5)) | set(range(vocab - 60, vocab - 56)) and drawn & set(range(vocab - 60, vocab))
 
 
-def test_top_p_keeps_the_smallest_prefix_reaching_p():
-    """Candidates with probabilities ~0.5, 0.3, 0.2 (k = 3): top_p 0.45 keeps only the first, 0.65 the
-    first two; a greedy row takes the maximum whatever its filters."""
+def check_top_p_prefix(draw):
+    """Tokens with probabilities ~0.5, 0.3, 0.2 (the rest far below): top_p 0.45 keeps only the first,
+    0.65 the first two; a greedy row takes the maximum whatever its filters. draw(logits, temps,
+    top_p, keys) -> tokens, all on DEVICE."""
     rows, vocab = 32, 200
     logits = torch.full((rows, vocab), -30.0)
     logits[:, 5], logits[:, 9], logits[:, 2] = 0.0, torch.tensor(0.6).log().item(), torch.tensor(0.4).log().item()
@@ -95,9 +96,15 @@ def test_top_p_keeps_the_smallest_prefix_reaching_p():
     temps = torch.ones(rows)
     temps[0] = 0.0
     for top_p, allowed in ((0.45, {5}), (0.65, {5, 9}), (1.0, {5, 9, 2})):
-        args = (temps, torch.full((rows,), 3), torch.full((rows,), top_p), keys)
-        got = sample_top_k_rows(logits.half().to(DEVICE), *(t.to(DEVICE) for t in args)).cpu()
+        args = (logits.half(), temps, torch.full((rows,), top_p), keys)
+        got = draw(*(t.to(DEVICE) for t in args)).cpu()
         assert got[0] == 5 and set(got.tolist()) == allowed, (top_p, set(got.tolist()))
+
+
+def test_top_p_keeps_the_smallest_prefix_reaching_p():
+    """With k = 3, the three tokens of `check_top_p_prefix` are the candidates."""
+    check_top_p_prefix(lambda logits, temps, top_p, keys: sample_top_k_rows(
+        logits, temps, torch.full_like(keys, 3), top_p, keys))
 
 
 def _metadata(params, device=DEVICE):

@@ -4,7 +4,7 @@ import torch
 
 from nanovllm.kernels.sample_top_p import sample_top_p_rows
 from nanovllm.layers.sampler import _gumbel, _top_k_top_p, row_keys
-from test_sample_top_k import _distinct_logits
+from test_sample_top_k import _distinct_logits, _metadata, check_top_p_prefix
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -48,30 +48,16 @@ def test_draws_the_torch_samplers_tokens(dtype, vocab):
 
 
 def test_nucleus_and_ties():
-    """Probabilities ~0.5, 0.3, 0.2: top_p 0.45 keeps only the first, 0.65 the first two. Ten equal
-    logits (the rest far below) with top_p 0.5: the nucleus is the five lowest ids."""
+    """`check_top_p_prefix`'s nuclei; and ten equal logits (the rest far below) with top_p 0.5: the
+    nucleus is the five lowest ids."""
+    check_top_p_prefix(sample_top_p_rows)
     rows, vocab = 32, 200
-    logits = torch.full((rows, vocab), -30.0)
-    logits[:, 5], logits[:, 9], logits[:, 2] = 0.0, torch.tensor(0.6).log().item(), torch.tensor(0.4).log().item()
     keys = row_keys(torch.arange(rows), torch.zeros(rows, dtype=torch.int64))
-    temps = torch.ones(rows)
-    temps[0] = 0.0
-    for top_p, allowed in ((0.45, {5}), (0.65, {5, 9}), (1.0, {5, 9, 2})):
-        got = sample_top_p_rows(logits.half().to(DEVICE), temps.to(DEVICE), torch.full((rows,), top_p, device=DEVICE),
-                                keys.to(DEVICE)).cpu()
-        assert got[0] == 5 and set(got.tolist()) == allowed, (top_p, set(got.tolist()))
     tied = torch.full((rows, vocab), -30.0)
     tied[:, 100:110] = 1.0
     got = sample_top_p_rows(tied.half().to(DEVICE), torch.ones(rows, device=DEVICE), torch.full((rows,), 0.5, device=DEVICE),
                             keys.to(DEVICE)).cpu()
     assert set(got.tolist()) <= set(range(100, 105)) and len(set(got.tolist())) > 1
-
-
-def _metadata(params, device=DEVICE):
-    from nanovllm.engine.sequence import Sequence
-    from nanovllm.worker.sampling_inputs import build_sampling_metadata
-    seqs = [Sequence([1, 2, 3], p, seed=70 + i) for i, p in enumerate(params)]
-    return build_sampling_metadata(seqs, torch.device(device), (), None)
 
 
 def test_sampler_picks_the_kernel_draw_for_its_filters():
