@@ -1,4 +1,4 @@
-"""The top-p draw without top-k, one program per row, without sorting the vocabulary.
+"""The top-p draw without top-k, without sorting the vocabulary.
 
 The torch path (`nanovllm.layers.sampler._top_k_top_p`) sorts every row's fp32 logits, takes the
 softmax's running sum in that order, masks the tokens past the nucleus and scatters the row back
@@ -6,25 +6,26 @@ before the draw. With the sampler's fixed noise a token wins a draw over a set S
 x/T + G (G its Gumbel noise, `sample.gumbel_max_scores`) is the best in S, which allows a draw
 over the nucleus N without knowing N:
 
-- pass 0: the row's largest x/T, and the winner w over the whole row;
-- pass r: the mass of the tokens ranked before w (larger x/T; equal: lower id) and the row's
-  softmax sum, so whether w is in N (what ranks before it holds less than top_p); and the winner
-  w' among the tokens ranked before w. If w is in N it is N's winner (N is a prefix of the ranking
-  and w won over a superset of it); if not, N is inside the tokens ranked before w, and w' is the
-  next to test.
+- first draw (each row cut into chunks, ~16 programs per SM): the row's largest x/T and the winner
+  w over the whole row;
+- then one program per row: the mass of the tokens ranked before w (larger x/T; equal: lower id)
+  against the row's softmax sum tells whether w is in N (what ranks before it holds less than
+  top_p). If so, w is N's winner (N is a prefix of the ranking and w won over a superset of it).
+  If not, N lies inside the tokens ranked before w: the winner among those is the next to test
+  (found in the same pass, or for small batches in a pass of its own after a test without noise).
 
-The top token always belongs to N, so the loop ends; most rows take two passes (a token drawn from
-the whole distribution usually lies in its nucleus). On the H200 this takes 228 us at 256 rows
-where the torch path takes 4.5 ms (83 us against 0.45 ms at one row). Greedy rows take the first maximum and rows
-with top_p = 1 the plain draw, both after pass 0. The token is the torch path's, up to the order
-of equal logits and float rounding at the nucleus's edge.
+The top token always belongs to N, so the loop ends. The first draw lands in N with probability
+mass(N) >= top_p, so most rows take the first draw and one more pass. Greedy
+rows take the first maximum and rows with top_p = 1 the plain draw, after the first draw. The
+token is the torch path's, up to the order of equal logits and float rounding at the nucleus's
+edge.
 """
 import torch
 import triton
 import triton.language as tl
 
 from nanovllm.kernels.pdl import PDL_LAUNCH, pdl_prologue
-from nanovllm.kernels.sample import gumbel_max_scores
+from nanovllm.kernels.sample import DEFAULT_SAMPLE_CONFIG, SampleConfig, _num_splits, gumbel_max_scores
 
 
 @triton.jit
@@ -46,8 +47,44 @@ def _winner(best, best_id, vocab_size):
 
 
 @triton.jit
-def _top_p_kernel(logits_ptr, stride_row, vocab_size, temps_ptr, top_p_ptr, row_keys_ptr, out_ptr,
-                  BLOCK: tl.constexpr, FAST_LOG: tl.constexpr):
+def _ranked_before(x, cols, winner_x, winner):
+    """Whether tokens rank before the winner: a larger x/T, or an equal one and a lower id."""
+    return (x > winner_x) | ((x == winner_x) & (cols < winner))
+
+
+@triton.jit(do_not_specialize=["chunk", "num_chunks"])
+def _first_draw_kernel(logits_ptr, stride_row, vocab_size, chunk, num_chunks, temps_ptr, row_keys_ptr,
+                       part_max_ptr, part_score_ptr, part_id_ptr, BLOCK: tl.constexpr, FAST_LOG: tl.constexpr):
+    pdl_prologue()
+    row = tl.program_id(0)
+    part = row * num_chunks + tl.program_id(1)
+    lo = tl.program_id(1) * chunk
+    hi = tl.minimum(lo + chunk, vocab_size)
+    base = logits_ptr + row.to(tl.int64) * stride_row
+    temp = tl.load(temps_ptr + row)
+    greedy = temp <= 0.0
+    temp = tl.where(greedy, 1.0, temp)
+    key = tl.load(row_keys_ptr + row).to(tl.uint32)
+    offs = tl.arange(0, BLOCK)
+    row_max = tl.full([BLOCK], float("-inf"), tl.float32)
+    best, best_id = _no_best(BLOCK)
+    for start in range(lo, hi, BLOCK):
+        cols = start + offs
+        mask = cols < hi
+        # Scaled as the torch sampler scales its logits (a division, not a product with 1/T).
+        x = tl.load(base + cols, mask=mask, other=float("-inf")).to(tl.float32) / temp
+        row_max = tl.maximum(row_max, x)
+        score = tl.where(mask, gumbel_max_scores(x, key, key >> 7, cols, greedy, 1.0, FAST_LOG), float("-inf"))
+        best, best_id = _keep_best(best, best_id, score, cols)
+    tl.store(part_max_ptr + part, tl.max(row_max, axis=0))
+    tl.store(part_score_ptr + part, tl.max(best, axis=0))
+    tl.store(part_id_ptr + part, _winner(best, best_id, vocab_size))
+
+
+@triton.jit(do_not_specialize=["num_chunks"])
+def _nucleus_kernel(logits_ptr, stride_row, vocab_size, num_chunks, temps_ptr, top_p_ptr, row_keys_ptr,
+                    part_max_ptr, part_score_ptr, part_id_ptr, out_ptr, BLOCK: tl.constexpr, MAX_CHUNKS: tl.constexpr,
+                    TEST_FIRST: tl.constexpr, FAST_LOG: tl.constexpr):
     pdl_prologue()
     row = tl.program_id(0)
     base = logits_ptr + row.to(tl.int64) * stride_row
@@ -56,24 +93,20 @@ def _top_p_kernel(logits_ptr, stride_row, vocab_size, temps_ptr, top_p_ptr, row_
     temp = tl.where(greedy, 1.0, temp)
     top_p = tl.load(top_p_ptr + row)
     key = tl.load(row_keys_ptr + row).to(tl.uint32)
-    salt = key >> 7
     offs = tl.arange(0, BLOCK)
 
-    # Pass 0. Scaled as the torch sampler scales its logits (a division, not a product with 1/T).
-    row_max = tl.full([BLOCK], float("-inf"), tl.float32)
-    best, best_id = _no_best(BLOCK)
-    for start in range(0, vocab_size, BLOCK):
-        cols = start + offs
-        mask = cols < vocab_size
-        x = tl.load(base + cols, mask=mask, other=float("-inf")).to(tl.float32) / temp
-        row_max = tl.maximum(row_max, x)
-        score = tl.where(mask, gumbel_max_scores(x, key, salt, cols, greedy, 1.0, FAST_LOG), float("-inf"))
-        best, best_id = _keep_best(best, best_id, score, cols)
-    row_max = tl.max(row_max, axis=0)
-    winner = _winner(best, best_id, vocab_size)
+    # The first draw's winner: chunks cover increasing ids, so equal scores keep the lowest id.
+    c = tl.arange(0, MAX_CHUNKS)
+    parts = row * num_chunks + c
+    in_row = c < num_chunks
+    row_max = tl.max(tl.load(part_max_ptr + parts, mask=in_row, other=float("-inf")), axis=0)
+    winner = _winner(tl.load(part_score_ptr + parts, mask=in_row, other=float("-inf")),
+                     tl.load(part_id_ptr + parts, mask=in_row, other=vocab_size), vocab_size)
     done = greedy | (top_p >= 1.0)
-
-    # Pass r: is the winner in the nucleus, and who wins among the tokens ranked before it.
+    # Whether a pass also finds the winner among the tokens ranked before the one it tests. Without,
+    # the test needs no noise (cheap for the rows that pass it), but a row that fails it pays a
+    # search pass; with, every pass pays the noise, and a failing row goes straight to its next test.
+    search = not TEST_FIRST
     while not done:
         winner_x = tl.load(base + winner).to(tl.float32) / temp
         total = tl.zeros([BLOCK], tl.float32)
@@ -84,24 +117,44 @@ def _top_p_kernel(logits_ptr, stride_row, vocab_size, temps_ptr, top_p_ptr, row_
             mask = cols < vocab_size
             x = tl.load(base + cols, mask=mask, other=float("-inf")).to(tl.float32) / temp
             p = tl.exp(x - row_max)
-            ahead = mask & ((x > winner_x) | ((x == winner_x) & (cols < winner)))
+            ahead = _ranked_before(x, cols, winner_x, winner) & mask
             total += p
             before += tl.where(ahead, p, 0.0)
-            score = tl.where(ahead, gumbel_max_scores(x, key, salt, cols, greedy, 1.0, FAST_LOG), float("-inf"))
-            best, best_id = _keep_best(best, best_id, score, cols)
+            if search:
+                score = gumbel_max_scores(x, key, key >> 7, cols, greedy, 1.0, FAST_LOG)
+                best, best_id = _keep_best(best, best_id, tl.where(ahead, score, float("-inf")), cols)
         done = tl.sum(before, axis=0) < top_p * tl.sum(total, axis=0)
         if not done:
+            if not search:  # the winner among the tokens ranked before this one, in a pass of its own
+                for start in range(0, vocab_size, BLOCK):
+                    cols = start + offs
+                    mask = cols < vocab_size
+                    x = tl.load(base + cols, mask=mask, other=float("-inf")).to(tl.float32) / temp
+                    score = gumbel_max_scores(x, key, key >> 7, cols, greedy, 1.0, FAST_LOG)
+                    ahead = _ranked_before(x, cols, winner_x, winner) & mask
+                    best, best_id = _keep_best(best, best_id, tl.where(ahead, score, float("-inf")), cols)
+                search = True
             winner = _winner(best, best_id, vocab_size)
     tl.store(out_ptr + row, winner.to(tl.int64))
 
 
+_MAX_CHUNKS = 64
+# Measured on the H200 (scripts/bench_sample_top_k.py, 151,936-token vocabulary): the one program
+# per row of the nucleus test, 4096 logits per tile and 16 warps.
+_NUCLEUS_BLOCK, _NUCLEUS_WARPS = 4096, 16
+# A test pass without the search pays only where almost no row fails it (H200, one call, rows ->
+# us with / without): 1 -> 36 / 57, 16 -> 105 / 93, 64 -> 146 / 121, 128 -> 224 / 193, 256 -> 260 /
+# 254. With more rows, some row fails the test, and its search pass makes the kernel's tail.
+_TEST_FIRST_MAX_BATCH = 4
+
+
 def sample_top_p_rows(logits: torch.Tensor, temperatures: torch.Tensor, top_p: torch.Tensor, row_keys: torch.Tensor,
-                      out: torch.Tensor | None = None, block: int = 4096, num_warps: int = 16,
-                      fast_log: bool | None = None) -> torch.Tensor:
+                      out: torch.Tensor | None = None, config: SampleConfig | None = None,
+                      test_first: bool | None = None, fast_log: bool | None = None) -> torch.Tensor:
     """logits [B, V] fp16/bf16/fp32 (unit stride on V); temperatures [B] fp32 (0: greedy); top_p [B]
     fp32 in (0, 1]; row_keys [B] int64 (`nanovllm.layers.sampler.row_keys`). Returns [B] int64 ids.
-    block / num_warps: a program's tile and width (H200, 151,936-token vocabulary, one program per
-    row: 4096 and 16 warps took 83 / 228 us at 1 / 256 rows, 2048 and 4 warps 138 / 393)."""
+    config: the first draw's chunking (`kernels/sample.py`'s, whose tiles it shares); test_first: test
+    the first draw without searching the next candidate (default: for batches up to 4 rows)."""
     from nanovllm.kernels.sample import fast_logf
     batch, vocab_size = logits.shape
     assert logits.stride(-1) == 1
@@ -111,7 +164,19 @@ def sample_top_p_rows(logits: torch.Tensor, temperatures: torch.Tensor, top_p: t
         return out
     if fast_log is None:
         fast_log = logits.is_cuda and fast_logf is not None
-    _top_p_kernel[(batch,)](logits, logits.stride(0), vocab_size, temperatures, top_p, row_keys, out,
-                            BLOCK=min(block, triton.next_power_of_2(vocab_size)), FAST_LOG=fast_log,
-                            num_warps=num_warps, **PDL_LAUNCH)
+    config = config or DEFAULT_SAMPLE_CONFIG
+    chunks = min(_num_splits(batch, vocab_size, logits.device, config), _MAX_CHUNKS)
+    chunk = triton.cdiv(triton.cdiv(vocab_size, chunks), config.block) * config.block
+    chunks = triton.cdiv(vocab_size, chunk)
+    part_max = torch.empty(batch, chunks, dtype=torch.float32, device=logits.device)
+    part_score = torch.empty_like(part_max)
+    part_id = torch.empty(batch, chunks, dtype=torch.int32, device=logits.device)
+    row = (logits, logits.stride(0), vocab_size)
+    _first_draw_kernel[(batch, chunks)](*row, chunk, chunks, temperatures, row_keys, part_max, part_score, part_id,
+                                        BLOCK=config.block, FAST_LOG=fast_log, num_warps=config.num_warps,
+                                        **PDL_LAUNCH)
+    _nucleus_kernel[(batch,)](*row, chunks, temperatures, top_p, row_keys, part_max, part_score, part_id, out,
+                              BLOCK=min(_NUCLEUS_BLOCK, triton.next_power_of_2(vocab_size)), MAX_CHUNKS=_MAX_CHUNKS,
+                              TEST_FIRST=batch <= _TEST_FIRST_MAX_BATCH if test_first is None else test_first,
+                              FAST_LOG=fast_log, num_warps=_NUCLEUS_WARPS, **PDL_LAUNCH)
     return out

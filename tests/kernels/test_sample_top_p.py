@@ -2,6 +2,7 @@
 import pytest
 import torch
 
+from nanovllm.kernels.sample import SampleConfig
 from nanovllm.kernels.sample_top_p import sample_top_p_rows
 from nanovllm.layers.sampler import _gumbel, _top_k_top_p, row_keys
 from test_sample_top_k import _distinct_logits, _metadata, check_top_p_prefix
@@ -30,9 +31,11 @@ def _check(got, expected, logits, temps, keys):
         assert temps[row] > 0 and abs(a - b) <= 1e-5 * max(1.0, abs(a)), (row, a, b)
 
 
+@pytest.mark.parametrize("test_first", [True, False])
+@pytest.mark.parametrize("chunks", ["default", "many"])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("vocab", [300, 3001])
-def test_draws_the_torch_samplers_tokens(dtype, vocab):
+def test_draws_the_torch_samplers_tokens(dtype, vocab, chunks, test_first):
     gen = torch.Generator().manual_seed(vocab)
     rows = 20
     # Distinct values (scaled by a power of two: still distinct), so that the ranking needs no tie rule.
@@ -43,7 +46,10 @@ def test_draws_the_torch_samplers_tokens(dtype, vocab):
     top_p = torch.tensor([0.01, 0.3, 0.5, 0.9, 0.99, 1.0] * 4)[:rows]
     keys = row_keys(torch.randint(0, 2**62, (rows,), generator=gen), torch.randint(0, 900, (rows,), generator=gen))
     expected = _reference(logits, temps, top_p, keys)
-    got = sample_top_p_rows(*(t.to(DEVICE) for t in (logits, temps, top_p, keys))).cpu()
+    # "many": the first draw over 128-logit tiles, each row cut into several chunks.
+    config = SampleConfig(64, 128, 4, False, False) if chunks == "many" else None
+    got = sample_top_p_rows(*(t.to(DEVICE) for t in (logits, temps, top_p, keys)), config=config,
+                            test_first=test_first).cpu()
     _check(got, expected, logits, temps, keys)
 
 
