@@ -2,7 +2,8 @@
 # Everything that needs the GPU, in one call: GPU tests, kernel timings, the benchmarks.
 #   bash scripts/gpu_check.sh [OUTDIR]      (on the device machine: OUTDIR defaults to $OUT)
 # Stages can be picked with STAGES="tests kernels bench single bench8b" (that default), or with
-# any of: eager (enforce_eager=True), nosplitk (A/B of the split-K projections), topp (top-p/top-k),
+# any of: eager (enforce_eager=True), nosplitk (A/B of the split-K projections), topp (top-p 0.9 + top-k 50),
+# topponly (top-p 0.9 alone),
 # nopdl (programmatic dependent launch off), profile (device busy vs idle over a run, top kernels),
 # host (host time per engine-step stage at a few batch sizes), hostprefill (the same for the benchmark's
 # prefill steps), hoststages (bench.py with the host time per stage of its prefill steps), clocks (bench.py with
@@ -10,7 +11,7 @@
 # decode schedule: kernel per batch size, then bench.py with it at every size), gemm (decode projections: cuBLAS vs our
 # GEMM over a tile sweep), gemmstages (the same with the weights in HBM: the tables' pipeline depths and tiles),
 # prefillprofile (device time and top kernels of each of the benchmark's prefill steps), sample (the sampling pass at decode batch sizes),
-# sampletopk (the top-k/top-p draw: the torch path against the one-kernel draw of kernels/sample_top_k.py),
+# sampletopk (the top-k/top-p and top-p draws: the torch path against kernels/sample_top_k.py and sample_top_p.py),
 # splits (decode attention at every split count, 4-80 sequences), nanobatch (two half-batches on two streams, also with
 # the balanced attention at 100/132/264 programs), replay (engine step against its CUDA graphs replayed back to back),
 # barrier (dependent projections as kernels vs one persistent kernel with grid barriers), prefilltiles (prefill
@@ -39,6 +40,7 @@ for stage in $STAGES; do
     eager)   run eager python3 bench.py --enforce-eager --json "$OUTDIR/bench_qwen3_0.6b_eager.json" ;;
     nosplitk) run nosplitk python3 bench.py --no-split-k --json "$OUTDIR/bench_qwen3_0.6b_nosplitk.json" ;;
     topp)    run topp python3 bench.py --top-p 0.9 --top-k 50 --json "$OUTDIR/bench_qwen3_0.6b_topp.json" ;;
+    topponly) run topponly python3 bench.py --top-p 0.9 --json "$OUTDIR/bench_qwen3_0.6b_topponly.json" ;;
     nopdl)   NANOVLLM_PDL=0 run nopdl python3 bench.py --json "$OUTDIR/bench_qwen3_0.6b_nopdl.json" ;;
     profile) run profile python3 bench.py --profile ;;
     host)    run host python3 scripts/host_timing.py ;;
