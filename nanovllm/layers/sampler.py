@@ -177,30 +177,41 @@ def exponential_noise(seeds: torch.Tensor, offsets: torch.Tensor, vocab_size: in
     return exponential_from_bits(_noise_bits(row_keys(seeds, offsets) if keys is None else keys, cols[None, :]))
 
 
-def _token_counts(tokens: torch.Tensor, lens: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    """[P, V] float32 occurrence counts of each row's first lens[i] tokens (padding adds zero)."""
-    num_rows, width = tokens.shape
-    valid = torch.arange(width, device=tokens.device)[None, :] < lens[:, None]
-    counts = torch.zeros(num_rows, vocab_size, dtype=torch.float32, device=tokens.device)
-    return counts.scatter_add_(1, tokens, valid.to(torch.float32))
+def _occurrences(tokens: torch.Tensor, lens: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """Each row's first lens[i] tokens of the zero-padded [P, L] tokens; the padding becomes
+    vocab_size (a spare column)."""
+    valid = torch.arange(tokens.shape[1], device=tokens.device)[None, :] < lens[:, None]
+    return torch.where(valid, tokens, vocab_size)
 
 
 def apply_penalties(logits: torch.Tensor, p: PenaltyInputs) -> torch.Tensor:
     """Repetition (HF/vLLM: over prompt and output), then frequency and presence (over the output).
-    Out of place: the caller's logits stay intact (they may be the raw logits logprobs need)."""
-    x = logits if p.rows is None else logits.index_select(0, p.rows)
-    vocab_size = logits.shape[-1]
-    counts = _token_counts(p.output_tokens, p.output_lens, vocab_size)
-    in_output = counts > 0
+    Computed at the (row, token) pairs that occur, a few thousand per row against a vocabulary of
+    ~10^5: nothing of [rows, vocab] size beyond one copy of the logits, and no host sync. The same
+    float operations as over the whole vocabulary, so the same values. Out of place: the caller's
+    logits stay intact (they may be the raw logits logprobs need)."""
+    batch, vocab_size = logits.shape
+    device = logits.device
+    # The padding reads and writes a spare column. A pair that occurs several times is written once
+    # per occurrence, with the same value each time.
+    x = torch.empty(batch, vocab_size + 1, dtype=logits.dtype, device=device)
+    x[:, :vocab_size] = logits
+    tokens = _occurrences(p.output_tokens, p.output_lens, vocab_size)
     if p.repetition is not None:
-        seen = in_output | (_token_counts(p.prompt_tokens, p.prompt_lens, vocab_size) > 0)
-        penalty = torch.where(seen, p.repetition[:, None], 1.0)
-        x = torch.where(x > 0, x / penalty, x * penalty)
+        tokens = torch.cat([tokens, _occurrences(p.prompt_tokens, p.prompt_lens, vocab_size)], dim=1)
+    num_rows, width = tokens.shape
+    output = tokens[:, :p.output_tokens.shape[1]].sort(dim=1).values
+    count = torch.searchsorted(output, tokens, right=True) - torch.searchsorted(output, tokens)  # in the output
+    rows = (torch.arange(num_rows, device=device) if p.rows is None else p.rows)[:, None].expand(num_rows, width)
+    value = x[rows, tokens]
+    if p.repetition is not None:
+        value = torch.where(value > 0, value / p.repetition[:, None], value * p.repetition[:, None])
     if p.frequency is not None:
-        x = x - p.frequency[:, None] * counts
+        value = value - p.frequency[:, None] * count.to(value.dtype)
     if p.presence is not None:
-        x = x - p.presence[:, None] * in_output
-    return x if p.rows is None else logits.index_copy(0, p.rows, x)
+        value = value - p.presence[:, None] * (count > 0)
+    x[rows, tokens] = value
+    return x[:, :vocab_size]
 
 
 def _min_p(x: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
