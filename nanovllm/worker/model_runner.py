@@ -224,10 +224,13 @@ class ModelRunner:
         self._warm_sampler()
         torch.cuda.synchronize(self.device)
 
-    # The eager sampler's paths (top-k, top-k + top-p, a full sort, min-p, penalties, logprobs, min_tokens
-    # bans) use library kernels the plain draw does not; CUDA loads each on its first call (~0.2 s for a
-    # top-p batch, measured in bench.py's timed run), which would otherwise land in a request's step.
+    # The eager sampler's paths (top-k, top-k + top-p and top-p through their kernels, and through torch ops
+    # where min-p comes with them; min-p, penalties, logprobs, min_tokens bans) use kernels the plain draw
+    # does not; CUDA loads (Triton: compiles) each on its first call (~0.2 s for a top-p batch, measured in
+    # bench.py's timed run), which would otherwise land in a request's step.
     _WARM_SAMPLING = ({"top_k": 50}, {"top_k": 50, "top_p": 0.9}, {"top_p": 0.9}, {"min_p": 0.1},
+                      {"top_k": 50, "min_p": 0.05}, {"top_k": 50, "top_p": 0.9, "min_p": 0.05},
+                      {"top_p": 0.9, "min_p": 0.05},
                       {"repetition_penalty": 1.1, "presence_penalty": 0.5, "frequency_penalty": 0.5},
                       {"logprobs": 5}, {"min_tokens": 4, "stop_token_ids": [1]})
 
