@@ -183,8 +183,10 @@ def _finish_kernel(logits_ptr, stride_row, vocab_size, temps_ptr, top_k_ptr, top
     above = listed & (key > kth)
     equal = listed & (key == kth)
     needed = k - tl.sum(above.to(tl.int32), axis=0)
-    # The needed-th lowest id among the equal: the needed-th largest of (vocab - 1 - id).
-    last_id = vocab_size - 1 - _kth_largest(vocab_size - 1 - ids, equal, needed, ID_BITS)
+    last_id = vocab_size  # usually every key equal to the k-th is needed
+    if tl.sum(equal.to(tl.int32), axis=0) > needed:
+        # The needed-th lowest id among the equal: the needed-th largest of (vocab - 1 - id).
+        last_id = vocab_size - 1 - _kth_largest(vocab_size - 1 - ids, equal, needed, ID_BITS)
     chosen = above | (equal & (ids <= last_id))
     slot = tl.cumsum(chosen.to(tl.int32), 0) - 1
     tl.debug_barrier()  # every thread has read the list: its first k slots now take the candidates
