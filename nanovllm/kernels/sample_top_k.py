@@ -13,7 +13,7 @@ integer order is float order.
    chunks x k of them (a tight bound needs k << the lanes of a chunk), at most MAX_CANDIDATES.
 3. Finish, one program per row: the k-th largest listed key (bisection), and the listed keys above
    it with the lowest ids equal to it, are the top k. Keep the smallest prefix of their softmax at
-   1/T (by logit, then lowest id) that reaches top_p, and draw the Gumbel-max
+   1/T (by logit, then lowest id) that reaches top_p (after min-p, where asked), and draw the Gumbel-max
    among the kept with the sampler's noise (`sample.gumbel_max_scores`). A list that overflowed
    (a tie longer than it, e.g. a row of equal logits) is rebuilt exactly by bisecting the key
    with counting passes over the row: slow, never wrong.
@@ -156,9 +156,10 @@ def _list_exactly_k(base, vocab_size, k, bound, cand_key, cand_id, BLOCK: tl.con
 
 
 @triton.jit
-def _finish_kernel(logits_ptr, stride_row, vocab_size, temps_ptr, top_k_ptr, top_p_ptr, row_keys_ptr, counts_ptr,
-                   cand_key_ptr, cand_id_ptr, out_ptr, BLOCK: tl.constexpr, CAP: tl.constexpr, MAX_K: tl.constexpr,
-                   ID_BITS: tl.constexpr, HAS_TOP_P: tl.constexpr, FAST_LOG: tl.constexpr):
+def _finish_kernel(logits_ptr, stride_row, vocab_size, temps_ptr, top_k_ptr, top_p_ptr, log_min_p_ptr, row_keys_ptr,
+                   counts_ptr, cand_key_ptr, cand_id_ptr, out_ptr, BLOCK: tl.constexpr, CAP: tl.constexpr,
+                   MAX_K: tl.constexpr, ID_BITS: tl.constexpr, HAS_TOP_P: tl.constexpr, HAS_MIN_P: tl.constexpr,
+                   FAST_LOG: tl.constexpr):
     pdl_prologue()
     row = tl.program_id(0)
     base = logits_ptr + row.to(tl.int64) * stride_row
@@ -198,13 +199,16 @@ def _finish_kernel(logits_ptr, stride_row, vocab_size, temps_ptr, top_k_ptr, top
     # Scaled as the torch sampler scales its logits (a division, not a product with 1/T).
     v = tl.load(base + ids, mask=top, other=float("-inf")).to(tl.float32) / temp
     keep = top
+    if HAS_MIN_P:  # min-p first (vLLM's order): probabilities below min_p times the largest go
+        keep = top & (v >= tl.max(v, axis=0) + tl.load(log_min_p_ptr + row))
+        v = tl.where(keep, v, float("-inf"))
     if HAS_TOP_P:  # the smallest prefix (by logit, then lowest id) whose softmax reaches top_p
         p = tl.exp(v - tl.max(v, axis=0))
         p = p / tl.sum(p, axis=0)
         ahead = (v[None, :] > v[:, None]) | ((v[None, :] == v[:, None]) & (ids[None, :] < ids[:, None]))
         before = tl.sum(tl.where(ahead, p[None, :], 0.0), axis=1)
         top_p = tl.load(top_p_ptr + row)
-        keep = top & (before < tl.where(top_p >= 1.0, float("inf"), top_p))
+        keep = keep & (before < tl.where(top_p >= 1.0, float("inf"), top_p))
 
     # The draw among the kept (greedy rows: the single candidate); equal scores: the lowest id.
     seed_key = tl.load(row_keys_ptr + row).to(tl.uint32)
@@ -224,11 +228,12 @@ def _num_chunks(batch: int, vocab_size: int, max_top_k: int, device: torch.devic
 def sample_top_k_rows(logits: torch.Tensor, temperatures: torch.Tensor, top_k: torch.Tensor,
                       top_p: torch.Tensor | None, row_keys: torch.Tensor, max_top_k: int = MAX_TOP_K,
                       out: torch.Tensor | None = None, config: TopKConfig | None = None,
-                      fast_log: bool | None = None) -> torch.Tensor:
+                      fast_log: bool | None = None, log_min_p: torch.Tensor | None = None) -> torch.Tensor:
     """logits [B, V] fp16/bf16 (unit stride on V); temperatures [B] fp32 (0: greedy); top_k [B] in
     [1, max_top_k] (any value on greedy rows), max_top_k <= MAX_TOP_K; top_p [B] fp32 in (0, 1], or
-    None for no top-p; row_keys [B] int64 (`nanovllm.layers.sampler.row_keys`). Returns [B] int64
-    token ids. config: another `TopKConfig`, for scripts/bench_sample_top_k.py."""
+    None for no top-p; row_keys [B] int64 (`nanovllm.layers.sampler.row_keys`); log_min_p [B] fp32,
+    log(min_p) (-inf: off), or None for no min-p. Returns [B] int64 token ids. config: another
+    `TopKConfig`, for scripts/bench_sample_top_k.py."""
     from nanovllm.kernels.sample import fast_logf
     batch, vocab_size = logits.shape
     assert logits.dtype in (torch.float16, torch.bfloat16) and logits.stride(-1) == 1
@@ -252,8 +257,9 @@ def sample_top_k_rows(logits: torch.Tensor, temperatures: torch.Tensor, top_k: t
     _bound_kernel[(batch, chunks)](*row, chunk, temperatures, top_k, counts, BLOCK=config.block, **launch)
     _compact_kernel[(batch, chunks)](*row, chunk, counts, cand_key, cand_id, BLOCK=config.block, CAP=MAX_CANDIDATES,
                                      **launch)
-    _finish_kernel[(batch,)](*row, temperatures, top_k, top_p if top_p is not None else temperatures, row_keys,
-                             counts, cand_key, cand_id, out, BLOCK=config.block, CAP=MAX_CANDIDATES, MAX_K=MAX_TOP_K,
+    _finish_kernel[(batch,)](*row, temperatures, top_k, top_p if top_p is not None else temperatures,
+                             log_min_p if log_min_p is not None else temperatures, row_keys, counts, cand_key, cand_id,
+                             out, BLOCK=config.block, CAP=MAX_CANDIDATES, MAX_K=MAX_TOP_K,
                              ID_BITS=max(1, (vocab_size - 1).bit_length()), HAS_TOP_P=top_p is not None,
-                             FAST_LOG=fast_log, num_warps=4, **PDL_LAUNCH)
+                             HAS_MIN_P=log_min_p is not None, FAST_LOG=fast_log, num_warps=4, **PDL_LAUNCH)
     return out

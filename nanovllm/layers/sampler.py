@@ -264,11 +264,11 @@ def _sample_top_k(x: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor | No
 
 def top_k_kernel_serves(dtype: torch.dtype, meta: SamplingMetadata) -> bool:
     """Whether the top-k draw's kernels (kernels/sample_top_k.py; on the GPU) can draw the batch:
-    16-bit logits, every random row with a top_k they take (greedy rows come along), and none of
-    the stages that run before the filters on fp32 logits (min_tokens bans, penalties, min-p)."""
+    16-bit logits, every random row with a top_k they take (greedy rows come along; min-p and
+    top-p too), and none of the stages that run on fp32 logits first (min_tokens bans, penalties)."""
     from nanovllm.kernels.sample_top_k import MAX_TOP_K
     return (dtype in (torch.bfloat16, torch.float16) and meta.top_k_bounded
-            and meta.random_rows_filtered and 0 < meta.max_top_k <= MAX_TOP_K and meta.min_p is None
+            and meta.random_rows_filtered and 0 < meta.max_top_k <= MAX_TOP_K
             and meta.penalties is None and meta.banned_ids is None)
 
 
@@ -276,12 +276,17 @@ def _sample_top_k_kernel(logits: torch.Tensor, meta: SamplingMetadata, keys: tor
     """The draw of `_sample_top_k` (and greedy rows' argmax) in the kernels' few passes over the
     16-bit logits, instead of fp32 copies and a vocabulary-wide topk."""
     from nanovllm.kernels.sample_top_k import sample_top_k_rows
+    batch = logits.shape[0]
     top_k, top_p = meta.top_k, meta.top_p
     if meta.filter_rows is not None:  # the other rows are greedy: any top_k, top_p serves them
-        batch = logits.shape[0]
         top_k = top_k.new_ones(batch).index_copy_(0, meta.filter_rows, top_k)
         top_p = None if top_p is None else top_p.new_ones(batch).index_copy_(0, meta.filter_rows, top_p)
-    return sample_top_k_rows(logits, meta.temperatures, top_k, top_p, keys, meta.max_top_k)
+    log_min_p = None
+    if meta.min_p is not None:  # the log as the torch path takes it, so that both cut at the same logit
+        log_min_p = torch.log(meta.min_p)
+        if meta.min_p_rows is not None:
+            log_min_p = log_min_p.new_full((batch,), float("-inf")).index_copy_(0, meta.min_p_rows, log_min_p)
+    return sample_top_k_rows(logits, meta.temperatures, top_k, top_p, keys, meta.max_top_k, log_min_p=log_min_p)
 
 
 def top_p_kernel_serves(meta: SamplingMetadata) -> bool:

@@ -101,7 +101,7 @@ def test_cuda_graph_sampling_identical_to_eager_fp32(model_factory):
 
 @pytest.mark.parametrize("filters", ["top_k", "top_p"])
 def test_qwen3_06b_bf16_filter_kernels_draw_the_torch_paths_tokens(filters, tmp_path, monkeypatch):
-    """Seeded top-k (+ top-p) requests, or top-p requests beside plain random ones, with greedy ones,
+    """Seeded top-k (+ top-p, + min-p) requests, or top-p requests beside plain random ones, with greedy ones,
     on bf16 logits: the sampler's kernels (kernels/sample_top_k.py, sample_top_p.py) give the
     tokens of its torch path."""
     import shutil
@@ -113,8 +113,8 @@ def test_qwen3_06b_bf16_filter_kernels_draw_the_torch_paths_tokens(filters, tmp_
     prompts = make_prompts(8, lengths=(10, 100, 300))
     if filters == "top_k":
         params = [SamplingParams(temperature=0.0 if i % 4 == 3 else 0.9, top_k=(20, 50, 128)[i % 3],
-                                 top_p=0.9 if i % 2 else 1.0, seed=i, max_tokens=24, ignore_eos=True)
-                  for i in range(len(prompts))]
+                                 top_p=0.9 if i % 2 else 1.0, min_p=0.1 if i % 4 == 1 else 0.0, seed=i,
+                                 max_tokens=24, ignore_eos=True) for i in range(len(prompts))]
     else:
         params = [SamplingParams(temperature=0.0 if i % 4 == 3 else 0.9, top_p=(0.5, 0.9, 1.0)[i % 3], seed=i,
                                  max_tokens=24, ignore_eos=True) for i in range(len(prompts))]

@@ -127,22 +127,28 @@ def test_sampler_routes_bounded_top_k_batches_to_the_kernels():
     assert not serves([SP(top_k=MAX_TOP_K + 1)])
     assert not serves([SP(top_k=50), SP()])  # a random row without top-k
     assert not serves([SP(top_k=50), SP(top_p=0.9)])  # top-p alone is unbounded
-    assert not serves([SP(top_k=50, min_p=0.1)])
+    assert serves([SP(top_k=50, min_p=0.1), SP(top_k=5)])  # min-p comes along
+    assert not serves([SP(top_p=0.9, min_p=0.1)])
     assert not serves([SP(top_k=50, repetition_penalty=1.2)])
     assert not serves([SP(top_k=50, min_tokens=3, stop_token_ids=[7])])
     assert not serves([SP(temperature=0.0)])
 
 
 def test_sampler_kernel_draw_equals_the_torch_path_on_a_mixed_batch():
-    """Greedy rows, top-k rows and top-k + top-p rows in one batch, with logprobs: the kernels'
-    tokens (rows given to them through `filter_rows`) are the torch path's."""
+    """Greedy rows, top-k rows, top-k + top-p rows and rows with min-p as well in one batch: the
+    kernels' tokens (rows given to them through `filter_rows` and `min_p_rows`) are the torch path's."""
     from nanovllm.layers.sampler import Sampler, _sample_top_k_kernel
     from nanovllm.sampling_params import SamplingParams as SP
     params = [SP(temperature=0.0), SP(temperature=0.7, top_k=40), SP(temperature=1.1, top_k=3, top_p=0.8),
-              SP(temperature=0.0, top_k=9), SP(temperature=0.5, top_k=MAX_TOP_K, top_p=0.5)] * 2
+              SP(temperature=0.0, top_k=9), SP(temperature=0.5, top_k=MAX_TOP_K, top_p=0.5),
+              SP(temperature=0.9, top_k=60, min_p=0.5), SP(temperature=1.2, top_k=MAX_TOP_K, top_p=0.9, min_p=0.7)] * 3
     meta = _metadata(params)
-    assert meta.filter_rows is not None and meta.top_p is not None
-    logits = _distinct_logits(len(params), 3001, torch.Generator().manual_seed(7), torch.bfloat16)
+    assert meta.filter_rows is not None and meta.top_p is not None and meta.min_p_rows is not None
+    # Scaled down (by a power of two: still distinct) so that min-p and top-p keep many candidates.
+    logits = _distinct_logits(len(params), 3001, torch.Generator().manual_seed(7), torch.bfloat16) * 0.125
     expected = Sampler().sample(logits, _metadata(params, "cpu")).token_ids  # the torch path, on the CPU
     got = _sample_top_k_kernel(logits.to(DEVICE), meta, meta.row_keys).cpu()
     assert torch.equal(got, expected)
+    # min-p binds there: without it, some of those rows draw other tokens.
+    no_min_p = [SP(temperature=sp.temperature, top_k=sp.top_k, top_p=sp.top_p) for sp in params]
+    assert not torch.equal(Sampler().sample(logits, _metadata(no_min_p, "cpu")).token_ids, expected)
