@@ -202,6 +202,8 @@ def _dense_penalties(logits, p):
 def test_penalties_at_the_occurring_pairs_equal_the_dense_form_bit_for_bit(which):
     """Many repeats (a 40-token vocabulary), tokens in both prompt and output, empty histories,
     a subset of rows, -inf and zeros: the same values as the whole-vocabulary computation."""
+    import dataclasses
+
     from nanovllm.layers.sampler import PenaltyInputs, apply_penalties
     g = torch.Generator().manual_seed(11)
     batch, rows, vocab = 7, torch.tensor([0, 2, 3, 6]), 40
@@ -215,7 +217,9 @@ def test_penalties_at_the_occurring_pairs_equal_the_dense_form_bit_for_bit(which
     pres = torch.tensor([-1.0, 0.3, 0.7, 0.0]) if which != "repetition" else None
     p = PenaltyInputs(rows, outputs, out_lens, prompts if rep is not None else None,
                       prompt_lens if rep is not None else None, rep, freq, pres)
-    ours = apply_penalties(logits, p)
+    on_dev = PenaltyInputs(**{f.name: None if getattr(p, f.name) is None else getattr(p, f.name).to(DEV)
+                              for f in dataclasses.fields(p)})
+    ours = apply_penalties(logits.to(DEV), on_dev).cpu()
     assert torch.equal(ours, _dense_penalties(logits, p))  # (the dense form's x - 0.0 may flip a -0.0's sign)
     assert torch.equal(logits[0, :3], torch.tensor([float("-inf"), 0.0, -0.0]))  # out of place
 
