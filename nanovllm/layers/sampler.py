@@ -262,14 +262,30 @@ def _sample_top_k(x: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor | No
     return idx.gather(1, choice).squeeze(1)
 
 
+def _banned(x: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
+    """x with the min_tokens bans' (row, id) pairs at -inf: a copy in x's dtype, or x itself."""
+    if meta.banned_ids is None:
+        return x
+    return x.index_put((meta.banned_rows, meta.banned_ids), x.new_full((), float("-inf")))
+
+
+def processed_logits(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
+    """min_tokens bans and penalties, in float32: the logits that greedy rows take the argmax of.
+    Returns logits itself (no copy) when they are float32 and the batch uses neither."""
+    x = _banned(logits.float(), meta)
+    if meta.penalties is not None:
+        x = apply_penalties(x, meta.penalties)
+    return x
+
+
 def top_k_kernel_serves(dtype: torch.dtype, meta: SamplingMetadata) -> bool:
     """Whether the top-k draw's kernels (kernels/sample_top_k.py; on the GPU) can draw the batch:
-    16-bit logits, every random row with a top_k they take (greedy rows come along; min-p and
-    top-p too), and none of the stages that run on fp32 logits first (min_tokens bans, penalties)."""
+    16-bit logits, every random row with a top_k they take (greedy rows come along; min-p, top-p
+    and min_tokens bans too), and no penalties (they need float32 logits, which the kernels' 16-bit
+    keys do not take)."""
     from nanovllm.kernels.sample_top_k import MAX_TOP_K
     return (dtype in (torch.bfloat16, torch.float16) and meta.top_k_bounded
-            and meta.random_rows_filtered and 0 < meta.max_top_k <= MAX_TOP_K
-            and meta.penalties is None and meta.banned_ids is None)
+            and meta.random_rows_filtered and 0 < meta.max_top_k <= MAX_TOP_K and meta.penalties is None)
 
 
 def _sample_top_k_kernel(logits: torch.Tensor, meta: SamplingMetadata, keys: torch.Tensor) -> torch.Tensor:
@@ -286,15 +302,16 @@ def _sample_top_k_kernel(logits: torch.Tensor, meta: SamplingMetadata, keys: tor
         log_min_p = torch.log(meta.min_p)
         if meta.min_p_rows is not None:
             log_min_p = log_min_p.new_full((batch,), float("-inf")).index_copy_(0, meta.min_p_rows, log_min_p)
-    return sample_top_k_rows(logits, meta.temperatures, top_k, top_p, keys, meta.max_top_k, log_min_p=log_min_p)
+    # Bans as -inf in a 16-bit copy: the float32 path's -inf, so the same candidates.
+    return sample_top_k_rows(_banned(logits, meta), meta.temperatures, top_k, top_p, keys, meta.max_top_k,
+                             log_min_p=log_min_p)
 
 
 def top_p_kernel_serves(meta: SamplingMetadata) -> bool:
     """Whether the top-p draw's kernel (kernels/sample_top_p.py; on the GPU) can draw the batch:
-    top-p on some rows, top-k on none, and none of the stages that run before the filters on fp32
-    logits (min_tokens bans, penalties, min-p). The other rows come along (greedy, or top_p = 1)."""
-    return (meta.top_p is not None and meta.top_k is None and meta.min_p is None and meta.penalties is None
-            and meta.banned_ids is None)
+    top-p on some rows, top-k and min-p on none. The other rows come along (greedy, or top_p = 1);
+    min_tokens bans and penalties are applied first, to float32 logits, as on the torch path."""
+    return meta.top_p is not None and meta.top_k is None and meta.min_p is None
 
 
 def _sample_top_p_kernel(logits: torch.Tensor, meta: SamplingMetadata, keys: torch.Tensor) -> torch.Tensor:
@@ -303,6 +320,8 @@ def _sample_top_p_kernel(logits: torch.Tensor, meta: SamplingMetadata, keys: tor
     top_p = meta.top_p
     if meta.filter_rows is not None:
         top_p = top_p.new_ones(logits.shape[0]).index_copy_(0, meta.filter_rows, top_p)
+    if meta.banned_ids is not None or meta.penalties is not None:
+        logits = processed_logits(logits, meta)
     return sample_top_p_rows(logits, meta.temperatures, top_p, keys)
 
 
@@ -327,14 +346,7 @@ class Sampler(nn.Module):
         return self.sample(logits, meta).token_ids
 
     def process_logits(self, logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
-        """min_tokens bans and penalties: the logits that greedy rows take the argmax of.
-        Returns logits itself (no copy) when the batch uses neither."""
-        x = logits.float()
-        if meta.banned_ids is not None:
-            x = x.index_put((meta.banned_rows, meta.banned_ids), x.new_full((), float("-inf")))
-        if meta.penalties is not None:
-            x = apply_penalties(x, meta.penalties)
-        return x
+        return processed_logits(logits, meta)
 
     def sample(self, logits: torch.Tensor, meta: SamplingMetadata) -> SamplerOutput:
         filters = meta.min_p is not None or meta.top_k is not None or meta.top_p is not None

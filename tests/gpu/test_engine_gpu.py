@@ -118,6 +118,11 @@ def test_qwen3_06b_bf16_filter_kernels_draw_the_torch_paths_tokens(filters, tmp_
     else:
         params = [SamplingParams(temperature=0.0 if i % 4 == 3 else 0.9, top_p=(0.5, 0.9, 1.0)[i % 3], seed=i,
                                  max_tokens=24, ignore_eos=True) for i in range(len(prompts))]
+        # Penalties and min_tokens bans: the kernel then draws from the float32 logits they leave.
+        params[1] = SamplingParams(temperature=0.9, top_p=0.9, repetition_penalty=1.3, presence_penalty=0.5,
+                                   seed=1, max_tokens=24, ignore_eos=True)
+        params[4] = SamplingParams(temperature=0.9, top_p=0.8, min_tokens=10, stop_token_ids=[0, 1, 2], seed=4,
+                                   max_tokens=24)
     runs = []
     for kernels in (True, False):
         if not kernels:

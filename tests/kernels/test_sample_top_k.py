@@ -130,7 +130,7 @@ def test_sampler_routes_bounded_top_k_batches_to_the_kernels():
     assert serves([SP(top_k=50, min_p=0.1), SP(top_k=5)])  # min-p comes along
     assert not serves([SP(top_p=0.9, min_p=0.1)])
     assert not serves([SP(top_k=50, repetition_penalty=1.2)])
-    assert not serves([SP(top_k=50, min_tokens=3, stop_token_ids=[7])])
+    assert serves([SP(top_k=50, min_tokens=3, stop_token_ids=[7])])  # bans as -inf in a 16-bit copy
     assert not serves([SP(temperature=0.0)])
 
 
@@ -152,3 +152,19 @@ def test_sampler_kernel_draw_equals_the_torch_path_on_a_mixed_batch():
     # min-p binds there: without it, some of those rows draw other tokens.
     no_min_p = [SP(temperature=sp.temperature, top_k=sp.top_k, top_p=sp.top_p) for sp in params]
     assert not torch.equal(Sampler().sample(logits, _metadata(no_min_p, "cpu")).token_ids, expected)
+
+
+def test_sampler_kernel_draw_applies_min_tokens_bans():
+    """A row still under min_tokens cannot draw its stop id: with the row's best token as that id,
+    greedy and random rows draw as the torch path does, which is never that token."""
+    from nanovllm.layers.sampler import Sampler, _sample_top_k_kernel
+    from nanovllm.sampling_params import SamplingParams as SP
+    logits = _distinct_logits(6, 3001, torch.Generator().manual_seed(8), torch.bfloat16) * 0.125
+    best = logits.float().argmax(-1).tolist()
+    params = [SP(temperature=0.0 if i % 3 == 0 else 0.8, top_k=(5, 40)[i % 2], top_p=0.9 if i % 2 else 1.0,
+                 min_tokens=4, stop_token_ids=[best[i]]) for i in range(6)]
+    meta = _metadata(params)
+    assert meta.banned_ids is not None
+    expected = Sampler().sample(logits, _metadata(params, "cpu")).token_ids
+    got = _sample_top_k_kernel(logits.to(DEVICE), meta, meta.row_keys).cpu()
+    assert torch.equal(got, expected) and not (got == torch.tensor(best)).any()

@@ -75,21 +75,28 @@ def test_sampler_picks_the_kernel_draw_for_its_filters():
     assert pick([SP(top_k=500, top_p=0.9)]) is None  # top-k past the top-k kernel's bound
     assert pick([SP(top_p=0.9), SP(top_k=20)]) is None  # a random row without top-k beside a top-k one
     assert pick([SP(top_p=0.9, min_p=0.1)]) is None
-    assert pick([SP(top_p=0.9, frequency_penalty=0.5)]) is None
-    assert pick([SP(top_p=0.9, min_tokens=2, stop_token_ids=[3])]) is None
+    assert pick([SP(top_p=0.9, frequency_penalty=0.5)]) is _sample_top_p_kernel  # on the float32 logits
+    assert pick([SP(top_p=0.9, min_tokens=2, stop_token_ids=[3])]) is _sample_top_p_kernel
+    assert pick([SP(top_k=20, repetition_penalty=1.2)]) is None
     assert pick([SP(), SP(temperature=0.0)]) is None  # no filter: the plain draw
 
 
 def test_sampler_kernel_draw_equals_the_torch_path_on_a_mixed_batch():
-    """Greedy rows, plain random rows and top-p rows in one batch: the kernel's tokens (the other
-    rows given top_p = 1) are the torch path's."""
+    """Greedy rows, plain random rows and top-p rows in one batch, some with penalties or bans: the
+    kernel's tokens (the other rows given top_p = 1) are the torch path's."""
     from nanovllm.layers.sampler import Sampler, _sample_top_p_kernel
     from nanovllm.sampling_params import SamplingParams as SP
+    logits = _distinct_logits(15, 3001, torch.Generator().manual_seed(9), torch.bfloat16) * 0.125
+    best = logits.float().argmax(-1).tolist()
     params = [SP(temperature=0.0), SP(temperature=0.7, top_p=0.3), SP(temperature=1.3),
               SP(temperature=1.1, top_p=0.95), SP(temperature=0.0, top_p=0.5)] * 2
+    # Penalties and min_tokens bans too: the kernel then draws from the float32 logits they leave.
+    params += [SP(temperature=0.0, repetition_penalty=1.5, min_tokens=3, stop_token_ids=[best[10]]),
+               SP(temperature=0.9, top_p=0.6, presence_penalty=2.0, frequency_penalty=0.5),
+               SP(temperature=0.8, top_p=0.9, min_tokens=2, stop_token_ids=[best[12]]),
+               SP(temperature=0.0, min_tokens=2, stop_token_ids=[best[13]]), SP(temperature=0.7, top_p=0.8)]
     meta = _metadata(params)
-    assert meta.filter_rows is not None
-    logits = _distinct_logits(len(params), 3001, torch.Generator().manual_seed(9), torch.bfloat16) * 0.125
+    assert meta.filter_rows is not None and meta.penalties is not None and meta.banned_ids is not None
     expected = Sampler().sample(logits, _metadata(params, "cpu")).token_ids  # the torch path, on the CPU
     got = _sample_top_p_kernel(logits.to(DEVICE), meta, meta.row_keys).cpu()
-    assert torch.equal(got, expected)
+    assert torch.equal(got, expected) and got[10] != best[10] and got[13] != best[13]
