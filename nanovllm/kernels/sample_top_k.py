@@ -2,9 +2,9 @@
 
 On the H200 the torch path of such draws (`nanovllm.layers.sampler._sample_top_k`: fp32 copies of
 the logits, `torch.topk` over the vocabulary, a dozen small ops) costs ~1 ms per decode step at 1-256
-rows (BENCHMARKS.md). Here each row is read twice in its own 16-bit dtype, cut into chunks so that
-even one row keeps the GPU's memory system busy. A logit's key is its 16 bits reordered so that
-integer order is float order.
+rows (BENCHMARKS.md). Here each row is read twice in its own dtype (16-bit, or float32 where
+penalties made float32 logits), cut into chunks so that even one row keeps the GPU's memory system
+busy. A logit's key is its bits reordered so that integer order is float order.
 
 1. Bound: each chunk keeps, per lane, the largest key the lane reads; the k-th largest of those lane
    maxima is k distinct logits of the row, so the row's k-th largest is at or above it. The row's
@@ -46,10 +46,21 @@ DEFAULT_TOP_K_CONFIG = TopKConfig(16, 1024, 4)
 
 @triton.jit
 def _ordered_keys(x):
-    """16-bit floats -> int32 keys in [0, 65535] with the floats' order (sign flipped for positive
-    values, all bits flipped for negative ones)."""
-    bits = x.to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
-    return tl.where(bits >= 0x8000, 0xFFFF - bits, bits | 0x8000)
+    """Floats -> int32 keys with the floats' order: 16-bit floats to [0, 65535] (sign flipped for
+    positive values, all bits flipped for negative ones), float32 to the whole int32 range (the
+    magnitude bits flipped for negative values)."""
+    if x.dtype == tl.float32:
+        bits = x.to(tl.int32, bitcast=True)
+        key = tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits)
+    else:
+        bits = x.to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
+        key = tl.where(bits >= 0x8000, 0xFFFF - bits, bits | 0x8000)
+    return key
+
+
+def _key_range(dtype: torch.dtype) -> tuple[int, int]:
+    """(least key, key bits) of `_ordered_keys` for logits of this dtype."""
+    return (-(1 << 31), 32) if dtype == torch.float32 else (0, 16)
 
 
 @triton.jit
@@ -60,17 +71,17 @@ def _row_k(temps_ptr, top_k_ptr, row, vocab_size):
 
 
 @triton.jit
-def _kth_largest(values, valid, k, BITS: tl.constexpr = 16):
-    """The k-th largest of the valid lanes of values (in [0, 2^BITS)), by bisection: the largest t
-    with at least k valid values at or above it (0 if there are fewer than k)."""
-    lo = 0
-    hi = 1 << BITS
+def _kth_largest(values, valid, k, LEAST: tl.constexpr, BITS: tl.constexpr):
+    """The k-th largest of the valid lanes of values (in [LEAST, LEAST + 2^BITS)), by bisection: the
+    largest t with at least k valid values at or above it (LEAST if there are fewer than k)."""
+    lo = tl.full([], LEAST, tl.int64)
+    hi = lo + (1 << BITS)
     for _ in range(BITS):
-        mid = (lo + hi) // 2
+        mid = lo + (hi - lo) // 2
         enough = tl.sum((valid & (values >= mid)).to(tl.int32), axis=0) >= k
         lo = tl.where(enough, mid, lo)
         hi = tl.where(enough, hi, mid)
-    return lo
+    return lo.to(tl.int32)
 
 
 @triton.jit
@@ -82,16 +93,17 @@ def _chunk_of_row(logits_ptr, stride_row, vocab_size, chunk):
 
 
 @triton.jit(do_not_specialize=["chunk"])
-def _bound_kernel(logits_ptr, stride_row, vocab_size, chunk, temps_ptr, top_k_ptr, counts_ptr, BLOCK: tl.constexpr):
+def _bound_kernel(logits_ptr, stride_row, vocab_size, chunk, temps_ptr, top_k_ptr, counts_ptr, BLOCK: tl.constexpr,
+                  LEAST_KEY: tl.constexpr, KEY_BITS: tl.constexpr):
     pdl_prologue()
     row, lo, hi, base = _chunk_of_row(logits_ptr, stride_row, vocab_size, chunk)
     offs = tl.arange(0, BLOCK)
-    lane_max = tl.zeros([BLOCK], tl.int32)  # the least key: a lane without logits bounds nothing
+    lane_max = tl.full([BLOCK], LEAST_KEY, tl.int32)  # a lane without logits bounds nothing
     for start in range(lo, hi, BLOCK):
         mask = start + offs < hi
         key = _ordered_keys(tl.load(base + start + offs, mask=mask, other=0.0))
-        lane_max = tl.maximum(lane_max, tl.where(mask, key, 0))
-    kth = _kth_largest(lane_max, lane_max >= 0, _row_k(temps_ptr, top_k_ptr, row, vocab_size))
+        lane_max = tl.maximum(lane_max, tl.where(mask, key, LEAST_KEY))
+    kth = _kth_largest(lane_max, offs >= 0, _row_k(temps_ptr, top_k_ptr, row, vocab_size), LEAST_KEY, KEY_BITS)
     tl.atomic_max(counts_ptr + row * 2, kth, sem="relaxed")
 
 
@@ -127,13 +139,14 @@ def _count_at_or_above(base, vocab_size, threshold, BLOCK: tl.constexpr):
 
 
 @triton.jit
-def _list_exactly_k(base, vocab_size, k, bound, cand_key, cand_id, BLOCK: tl.constexpr):
+def _list_exactly_k(base, vocab_size, k, bound, cand_key, cand_id, BLOCK: tl.constexpr, LEAST_KEY: tl.constexpr,
+                    KEY_BITS: tl.constexpr):
     """The k best keys of a row (ties: lowest ids) into the list, from the row itself: the k-th
     largest key by bisection (at least k keys at or above `bound`), then one pass to list them."""
-    lo = bound
-    hi = 65536
-    for _ in range(16):  # keys have 16 bits
-        mid = (lo + hi) // 2
+    lo = bound.to(tl.int64)
+    hi = tl.full([], LEAST_KEY, tl.int64) + (1 << KEY_BITS)
+    for _ in range(KEY_BITS):
+        mid = lo + (hi - lo) // 2
         enough = _count_at_or_above(base, vocab_size, mid, BLOCK) >= k
         lo = tl.where(enough, mid, lo)
         hi = tl.where(enough, hi, mid)
@@ -158,8 +171,8 @@ def _list_exactly_k(base, vocab_size, k, bound, cand_key, cand_id, BLOCK: tl.con
 @triton.jit
 def _finish_kernel(logits_ptr, stride_row, vocab_size, temps_ptr, top_k_ptr, top_p_ptr, log_min_p_ptr, row_keys_ptr,
                    counts_ptr, cand_key_ptr, cand_id_ptr, out_ptr, BLOCK: tl.constexpr, CAP: tl.constexpr,
-                   MAX_K: tl.constexpr, ID_BITS: tl.constexpr, HAS_TOP_P: tl.constexpr, HAS_MIN_P: tl.constexpr,
-                   FAST_LOG: tl.constexpr):
+                   MAX_K: tl.constexpr, ID_BITS: tl.constexpr, LEAST_KEY: tl.constexpr, KEY_BITS: tl.constexpr,
+                   HAS_TOP_P: tl.constexpr, HAS_MIN_P: tl.constexpr, FAST_LOG: tl.constexpr):
     pdl_prologue()
     row = tl.program_id(0)
     base = logits_ptr + row.to(tl.int64) * stride_row
@@ -171,23 +184,24 @@ def _finish_kernel(logits_ptr, stride_row, vocab_size, temps_ptr, top_k_ptr, top
     k = _row_k(temps_ptr, top_k_ptr, row, vocab_size)
     num_listed = tl.load(counts_ptr + row * 2 + 1)
     if num_listed > CAP:  # the list overflowed: rebuild it with exactly the k best
-        _list_exactly_k(base, vocab_size, k, tl.load(counts_ptr + row * 2), cand_key, cand_id, BLOCK)
+        _list_exactly_k(base, vocab_size, k, tl.load(counts_ptr + row * 2), cand_key, cand_id, BLOCK, LEAST_KEY,
+                        KEY_BITS)
         num_listed = k
         tl.debug_barrier()  # the list written by every thread of this program, read below
 
     # The candidates: the listed keys above the k-th largest, then the lowest ids equal to it.
     c = tl.arange(0, CAP)
     listed = c < num_listed
-    key = tl.load(cand_key + c, mask=listed, other=-1)
+    key = tl.load(cand_key + c, mask=listed, other=LEAST_KEY)
     ids = tl.load(cand_id + c, mask=listed, other=vocab_size)
-    kth = _kth_largest(key, listed, k)
+    kth = _kth_largest(key, listed, k, LEAST_KEY, KEY_BITS)
     above = listed & (key > kth)
     equal = listed & (key == kth)
     needed = k - tl.sum(above.to(tl.int32), axis=0)
     last_id = vocab_size  # usually every key equal to the k-th is needed
     if tl.sum(equal.to(tl.int32), axis=0) > needed:
         # The needed-th lowest id among the equal: the needed-th largest of (vocab - 1 - id).
-        last_id = vocab_size - 1 - _kth_largest(vocab_size - 1 - ids, equal, needed, ID_BITS)
+        last_id = vocab_size - 1 - _kth_largest(vocab_size - 1 - ids, equal, needed, 0, ID_BITS)
     chosen = above | (equal & (ids <= last_id))
     slot = tl.cumsum(chosen.to(tl.int32), 0) - 1
     tl.debug_barrier()  # every thread has read the list: its first k slots now take the candidates
@@ -229,14 +243,14 @@ def sample_top_k_rows(logits: torch.Tensor, temperatures: torch.Tensor, top_k: t
                       top_p: torch.Tensor | None, row_keys: torch.Tensor, max_top_k: int = MAX_TOP_K,
                       out: torch.Tensor | None = None, config: TopKConfig | None = None,
                       fast_log: bool | None = None, log_min_p: torch.Tensor | None = None) -> torch.Tensor:
-    """logits [B, V] fp16/bf16 (unit stride on V); temperatures [B] fp32 (0: greedy); top_k [B] in
+    """logits [B, V] fp16/bf16/fp32 (unit stride on V); temperatures [B] fp32 (0: greedy); top_k [B] in
     [1, max_top_k] (any value on greedy rows), max_top_k <= MAX_TOP_K; top_p [B] fp32 in (0, 1], or
     None for no top-p; row_keys [B] int64 (`nanovllm.layers.sampler.row_keys`); log_min_p [B] fp32,
     log(min_p) (-inf: off), or None for no min-p. Returns [B] int64 token ids. config: another
     `TopKConfig`, for scripts/bench_sample_top_k.py."""
     from nanovllm.kernels.sample import fast_logf
     batch, vocab_size = logits.shape
-    assert logits.dtype in (torch.float16, torch.bfloat16) and logits.stride(-1) == 1
+    assert logits.dtype in (torch.float16, torch.bfloat16, torch.float32) and logits.stride(-1) == 1
     assert 0 < max_top_k <= MAX_TOP_K
     if out is None:
         out = torch.empty(batch, dtype=torch.int64, device=logits.device)
@@ -247,19 +261,23 @@ def sample_top_k_rows(logits: torch.Tensor, temperatures: torch.Tensor, top_k: t
     chunks = _num_chunks(batch, vocab_size, max_top_k, logits.device, config)
     chunk = triton.cdiv(triton.cdiv(vocab_size, chunks), config.block) * config.block
     chunks = triton.cdiv(vocab_size, chunk)
+    least_key, key_bits = _key_range(logits.dtype)
     counts = torch.zeros(batch, 2, dtype=torch.int32, device=logits.device)  # bound, number listed
+    if least_key:
+        counts[:, 0] = least_key
     cand_key = torch.empty(batch, MAX_CANDIDATES, dtype=torch.int32, device=logits.device)
     cand_id = torch.empty(batch, MAX_CANDIDATES, dtype=torch.int32, device=logits.device)
     if fast_log is None:
         fast_log = logits.is_cuda and fast_logf is not None
     row = (logits, logits.stride(0), vocab_size)
     launch = dict(num_warps=config.num_warps, **PDL_LAUNCH)
-    _bound_kernel[(batch, chunks)](*row, chunk, temperatures, top_k, counts, BLOCK=config.block, **launch)
+    keys_of = dict(LEAST_KEY=least_key, KEY_BITS=key_bits)
+    _bound_kernel[(batch, chunks)](*row, chunk, temperatures, top_k, counts, BLOCK=config.block, **keys_of, **launch)
     _compact_kernel[(batch, chunks)](*row, chunk, counts, cand_key, cand_id, BLOCK=config.block, CAP=MAX_CANDIDATES,
                                      **launch)
     _finish_kernel[(batch,)](*row, temperatures, top_k, top_p if top_p is not None else temperatures,
                              log_min_p if log_min_p is not None else temperatures, row_keys, counts, cand_key, cand_id,
                              out, BLOCK=config.block, CAP=MAX_CANDIDATES, MAX_K=MAX_TOP_K,
-                             ID_BITS=max(1, (vocab_size - 1).bit_length()), HAS_TOP_P=top_p is not None,
+                             ID_BITS=max(1, (vocab_size - 1).bit_length()), **keys_of, HAS_TOP_P=top_p is not None,
                              HAS_MIN_P=log_min_p is not None, FAST_LOG=fast_log, num_warps=4, **PDL_LAUNCH)
     return out

@@ -280,12 +280,11 @@ def processed_logits(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tens
 
 def top_k_kernel_serves(dtype: torch.dtype, meta: SamplingMetadata) -> bool:
     """Whether the top-k draw's kernels (kernels/sample_top_k.py; on the GPU) can draw the batch:
-    16-bit logits, every random row with a top_k they take (greedy rows come along; min-p, top-p
-    and min_tokens bans too), and no penalties (they need float32 logits, which the kernels' 16-bit
-    keys do not take)."""
+    every random row with a top_k they take (greedy rows come along; min-p, top-p, min_tokens
+    bans and penalties too)."""
     from nanovllm.kernels.sample_top_k import MAX_TOP_K
-    return (dtype in (torch.bfloat16, torch.float16) and meta.top_k_bounded
-            and meta.random_rows_filtered and 0 < meta.max_top_k <= MAX_TOP_K and meta.penalties is None)
+    return (dtype in (torch.bfloat16, torch.float16, torch.float32) and meta.top_k_bounded
+            and meta.random_rows_filtered and 0 < meta.max_top_k <= MAX_TOP_K)
 
 
 def _sample_top_k_kernel(logits: torch.Tensor, meta: SamplingMetadata, keys: torch.Tensor) -> torch.Tensor:
@@ -302,9 +301,10 @@ def _sample_top_k_kernel(logits: torch.Tensor, meta: SamplingMetadata, keys: tor
         log_min_p = torch.log(meta.min_p)
         if meta.min_p_rows is not None:
             log_min_p = log_min_p.new_full((batch,), float("-inf")).index_copy_(0, meta.min_p_rows, log_min_p)
-    # Bans as -inf in a 16-bit copy: the float32 path's -inf, so the same candidates.
-    return sample_top_k_rows(_banned(logits, meta), meta.temperatures, top_k, top_p, keys, meta.max_top_k,
-                             log_min_p=log_min_p)
+    # Penalties on float32 logits, as on the torch path; bans alone as -inf in a copy in the logits'
+    # own dtype (the float32 path's -inf: the same candidates).
+    x = processed_logits(logits, meta) if meta.penalties is not None else _banned(logits, meta)
+    return sample_top_k_rows(x, meta.temperatures, top_k, top_p, keys, meta.max_top_k, log_min_p=log_min_p)
 
 
 def top_p_kernel_serves(meta: SamplingMetadata) -> bool:

@@ -10,7 +10,9 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 def _distinct_logits(rows, vocab, gen, dtype):
     """Every logit of a row distinct (distinct 16-bit patterns of both signs, permuted), so the k best
-    are one set whatever the tie rule."""
+    are one set whatever the tie rule. float32: fp16's, converted (exactly)."""
+    if dtype == torch.float32:
+        return _distinct_logits(rows, vocab, gen, torch.float16).float()
     half = (vocab + 1) // 2
     lo, hi = (0x3C00, 0x4200) if dtype == torch.bfloat16 else (0x2C00, 0x5000)  # ~0.008-32 / 0.06-32
     pos = lo + torch.arange(half, dtype=torch.int32) * max(1, (hi - lo) // half)
@@ -31,7 +33,7 @@ CONFIGS = [None, TopKConfig(64, 128, 4)]
 
 
 @pytest.mark.parametrize("config", CONFIGS, ids=["default", "split"])
-@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("vocab", [300, 3001])
 def test_draws_the_torch_samplers_tokens(dtype, vocab, config):
     gen = torch.Generator().manual_seed(vocab)
@@ -123,13 +125,14 @@ def test_sampler_routes_bounded_top_k_batches_to_the_kernels():
     assert serves([SP(top_k=50), SP(top_k=5, top_p=0.9)])
     assert serves([SP(top_k=50), SP(temperature=0.0)])
     assert serves([SP(top_k=MAX_TOP_K)], torch.float16)
-    assert not serves([SP(top_k=50)], torch.float32)
+    assert serves([SP(top_k=50)], torch.float32)
     assert not serves([SP(top_k=MAX_TOP_K + 1)])
     assert not serves([SP(top_k=50), SP()])  # a random row without top-k
     assert not serves([SP(top_k=50), SP(top_p=0.9)])  # top-p alone is unbounded
     assert serves([SP(top_k=50, min_p=0.1), SP(top_k=5)])  # min-p comes along
     assert not serves([SP(top_p=0.9, min_p=0.1)])
-    assert not serves([SP(top_k=50, repetition_penalty=1.2)])
+    assert serves([SP(top_k=50, repetition_penalty=1.2)])  # on the float32 logits the penalties leave
+    assert not serves([SP(top_k=50)], torch.float64)
     assert serves([SP(top_k=50, min_tokens=3, stop_token_ids=[7])])  # bans as -inf in a 16-bit copy
     assert not serves([SP(temperature=0.0)])
 
@@ -168,3 +171,20 @@ def test_sampler_kernel_draw_applies_min_tokens_bans():
     expected = Sampler().sample(logits, _metadata(params, "cpu")).token_ids
     got = _sample_top_k_kernel(logits.to(DEVICE), meta, meta.row_keys).cpu()
     assert torch.equal(got, expected) and not (got == torch.tensor(best)).any()
+
+
+def test_sampler_kernel_draw_with_penalties_on_float32_logits():
+    """Penalties leave float32 logits, which the kernels take with 32-bit keys: the torch path's
+    tokens, and a penalty that moves a greedy row off its best token moves the kernels' too."""
+    from nanovllm.layers.sampler import Sampler, _sample_top_k_kernel
+    from nanovllm.sampling_params import SamplingParams as SP
+    logits = _distinct_logits(8, 3001, torch.Generator().manual_seed(12), torch.bfloat16) * 0.125
+    logits[:, 2] = logits.max() + 1  # the prompt's token 2 is every row's best, until penalised
+    params = [SP(temperature=0.0 if i % 4 == 0 else 0.9, top_k=(3, 50)[i % 2], top_p=0.8 if i % 3 else 1.0,
+                 repetition_penalty=(1.0, 3.0)[i % 2 == 0], frequency_penalty=0.2 * (i % 3),
+                 presence_penalty=0.5 if i == 5 else 0.0) for i in range(8)]
+    meta = _metadata(params)
+    assert meta.penalties is not None
+    expected = Sampler().sample(logits, _metadata(params, "cpu")).token_ids
+    got = _sample_top_k_kernel(logits.to(DEVICE), meta, meta.row_keys).cpu()
+    assert torch.equal(got, expected) and got[0] != 2 and got[4] != 2

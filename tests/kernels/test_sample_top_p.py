@@ -39,7 +39,7 @@ def test_draws_the_torch_samplers_tokens(dtype, vocab, chunks, test_first):
     gen = torch.Generator().manual_seed(vocab)
     rows = 20
     # Distinct values (scaled by a power of two: still distinct), so that the ranking needs no tie rule.
-    logits = _distinct_logits(rows, vocab, gen, torch.float16 if dtype == torch.float32 else dtype) * 0.125
+    logits = _distinct_logits(rows, vocab, gen, dtype) * 0.125
     logits = logits.to(dtype)
     temps = torch.rand(rows, generator=gen) + 0.5
     temps[::7] = 0.0
@@ -77,7 +77,7 @@ def test_sampler_picks_the_kernel_draw_for_its_filters():
     assert pick([SP(top_p=0.9, min_p=0.1)]) is None
     assert pick([SP(top_p=0.9, frequency_penalty=0.5)]) is _sample_top_p_kernel  # on the float32 logits
     assert pick([SP(top_p=0.9, min_tokens=2, stop_token_ids=[3])]) is _sample_top_p_kernel
-    assert pick([SP(top_k=20, repetition_penalty=1.2)]) is None
+    assert pick([SP(top_k=20, repetition_penalty=1.2)]) is _sample_top_k_kernel
     assert pick([SP(), SP(temperature=0.0)]) is None  # no filter: the plain draw
 
 
