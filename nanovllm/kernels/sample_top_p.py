@@ -14,7 +14,9 @@ over the nucleus N without knowing N:
   If not, N lies inside the tokens ranked before w: the winner among those is the next to test
   (found in the same pass, or for small batches in a pass of its own after a test without noise).
 
-The top token always belongs to N, so the loop ends. The first draw lands in N with probability
+With min-p (applied before top-p, vLLM's order) N is also cut to the tokens within log(min_p) of
+the largest x/T, and the search for the next candidate keeps to those. The top token always belongs
+to N, so the loop ends. The first draw lands in N with probability
 mass(N) >= top_p, so most rows take the first draw and one more pass. Greedy
 rows take the first maximum and rows with top_p = 1 the plain draw, after the first draw. The
 token is the torch path's, up to the order of equal logits and float rounding at the nucleus's
@@ -82,9 +84,9 @@ def _first_draw_kernel(logits_ptr, stride_row, vocab_size, chunk, num_chunks, te
 
 
 @triton.jit(do_not_specialize=["num_chunks"])
-def _nucleus_kernel(logits_ptr, stride_row, vocab_size, num_chunks, temps_ptr, top_p_ptr, row_keys_ptr,
+def _nucleus_kernel(logits_ptr, stride_row, vocab_size, num_chunks, temps_ptr, top_p_ptr, log_min_p_ptr, row_keys_ptr,
                     part_max_ptr, part_score_ptr, part_id_ptr, out_ptr, BLOCK: tl.constexpr, MAX_CHUNKS: tl.constexpr,
-                    TEST_FIRST: tl.constexpr, FAST_LOG: tl.constexpr):
+                    TEST_FIRST: tl.constexpr, HAS_MIN_P: tl.constexpr, FAST_LOG: tl.constexpr):
     pdl_prologue()
     row = tl.program_id(0)
     base = logits_ptr + row.to(tl.int64) * stride_row
@@ -102,7 +104,9 @@ def _nucleus_kernel(logits_ptr, stride_row, vocab_size, num_chunks, temps_ptr, t
     row_max = tl.max(tl.load(part_max_ptr + parts, mask=in_row, other=float("-inf")), axis=0)
     winner = _winner(tl.load(part_score_ptr + parts, mask=in_row, other=float("-inf")),
                      tl.load(part_id_ptr + parts, mask=in_row, other=vocab_size), vocab_size)
-    done = greedy | (top_p >= 1.0)
+    # min-p (before top-p, vLLM's order): the draw is among x/T >= its largest + log(min_p) only.
+    floor = row_max + tl.load(log_min_p_ptr + row) if HAS_MIN_P else float("-inf")
+    done = greedy | ((top_p >= 1.0) & (tl.load(base + winner).to(tl.float32) / temp >= floor))
     # Whether a pass also finds the winner among the tokens ranked before the one it tests. Without,
     # the test needs no noise (cheap for the rows that pass it), but a row that fails it pays a
     # search pass; with, every pass pays the noise, and a failing row goes straight to its next test.
@@ -116,14 +120,15 @@ def _nucleus_kernel(logits_ptr, stride_row, vocab_size, num_chunks, temps_ptr, t
             cols = start + offs
             mask = cols < vocab_size
             x = tl.load(base + cols, mask=mask, other=float("-inf")).to(tl.float32) / temp
-            p = tl.exp(x - row_max)
-            ahead = _ranked_before(x, cols, winner_x, winner) & mask
+            kept = mask & (x >= floor)
+            p = tl.where(kept, tl.exp(x - row_max), 0.0)
+            ahead = _ranked_before(x, cols, winner_x, winner) & kept
             total += p
             before += tl.where(ahead, p, 0.0)
             if search:
                 score = gumbel_max_scores(x, key, key >> 7, cols, greedy, 1.0, FAST_LOG)
                 best, best_id = _keep_best(best, best_id, tl.where(ahead, score, float("-inf")), cols)
-        done = tl.sum(before, axis=0) < top_p * tl.sum(total, axis=0)
+        done = (winner_x >= floor) & ((top_p >= 1.0) | (tl.sum(before, axis=0) < top_p * tl.sum(total, axis=0)))
         if not done:
             if not search:  # the winner among the tokens ranked before this one, in a pass of its own
                 for start in range(0, vocab_size, BLOCK):
@@ -131,7 +136,7 @@ def _nucleus_kernel(logits_ptr, stride_row, vocab_size, num_chunks, temps_ptr, t
                     mask = cols < vocab_size
                     x = tl.load(base + cols, mask=mask, other=float("-inf")).to(tl.float32) / temp
                     score = gumbel_max_scores(x, key, key >> 7, cols, greedy, 1.0, FAST_LOG)
-                    ahead = _ranked_before(x, cols, winner_x, winner) & mask
+                    ahead = _ranked_before(x, cols, winner_x, winner) & mask & (x >= floor)
                     best, best_id = _keep_best(best, best_id, tl.where(ahead, score, float("-inf")), cols)
                 search = True
             winner = _winner(best, best_id, vocab_size)
@@ -150,9 +155,11 @@ _TEST_FIRST_MAX_BATCH = 4
 
 def sample_top_p_rows(logits: torch.Tensor, temperatures: torch.Tensor, top_p: torch.Tensor, row_keys: torch.Tensor,
                       out: torch.Tensor | None = None, config: SampleConfig | None = None,
-                      test_first: bool | None = None, fast_log: bool | None = None) -> torch.Tensor:
+                      test_first: bool | None = None, fast_log: bool | None = None,
+                      log_min_p: torch.Tensor | None = None) -> torch.Tensor:
     """logits [B, V] fp16/bf16/fp32 (unit stride on V); temperatures [B] fp32 (0: greedy); top_p [B]
-    fp32 in (0, 1]; row_keys [B] int64 (`nanovllm.layers.sampler.row_keys`). Returns [B] int64 ids.
+    fp32 in (0, 1]; row_keys [B] int64 (`nanovllm.layers.sampler.row_keys`); log_min_p [B] fp32,
+    log(min_p) (-inf: off), or None for no min-p. Returns [B] int64 ids.
     config: the first draw's chunking (`kernels/sample.py`'s, whose tiles it shares); test_first: test
     the first draw without searching the next candidate (default: for batches up to 4 rows)."""
     from nanovllm.kernels.sample import fast_logf
@@ -175,8 +182,10 @@ def sample_top_p_rows(logits: torch.Tensor, temperatures: torch.Tensor, top_p: t
     _first_draw_kernel[(batch, chunks)](*row, chunk, chunks, temperatures, row_keys, part_max, part_score, part_id,
                                         BLOCK=config.block, FAST_LOG=fast_log, num_warps=config.num_warps,
                                         **PDL_LAUNCH)
-    _nucleus_kernel[(batch,)](*row, chunks, temperatures, top_p, row_keys, part_max, part_score, part_id, out,
+    _nucleus_kernel[(batch,)](*row, chunks, temperatures, top_p, log_min_p if log_min_p is not None else top_p,
+                              row_keys, part_max, part_score, part_id, out,
                               BLOCK=min(_NUCLEUS_BLOCK, triton.next_power_of_2(vocab_size)), MAX_CHUNKS=_MAX_CHUNKS,
                               TEST_FIRST=batch <= _TEST_FIRST_MAX_BATCH if test_first is None else test_first,
+                              HAS_MIN_P=log_min_p is not None,
                               FAST_LOG=fast_log, num_warps=_NUCLEUS_WARPS, **PDL_LAUNCH)
     return out

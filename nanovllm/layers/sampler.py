@@ -296,33 +296,44 @@ def _sample_top_k_kernel(logits: torch.Tensor, meta: SamplingMetadata, keys: tor
     if meta.filter_rows is not None:  # the other rows are greedy: any top_k, top_p serves them
         top_k = top_k.new_ones(batch).index_copy_(0, meta.filter_rows, top_k)
         top_p = None if top_p is None else top_p.new_ones(batch).index_copy_(0, meta.filter_rows, top_p)
-    log_min_p = None
-    if meta.min_p is not None:  # the log as the torch path takes it, so that both cut at the same logit
-        log_min_p = torch.log(meta.min_p)
-        if meta.min_p_rows is not None:
-            log_min_p = log_min_p.new_full((batch,), float("-inf")).index_copy_(0, meta.min_p_rows, log_min_p)
+    log_min_p = _log_min_p(meta, batch)
     # Penalties on float32 logits, as on the torch path; bans alone as -inf in a copy in the logits'
     # own dtype (the float32 path's -inf: the same candidates).
     x = processed_logits(logits, meta) if meta.penalties is not None else _banned(logits, meta)
     return sample_top_k_rows(x, meta.temperatures, top_k, top_p, keys, meta.max_top_k, log_min_p=log_min_p)
 
 
+def _log_min_p(meta: SamplingMetadata, batch: int) -> torch.Tensor | None:
+    """[B] log(min_p), -inf where off; None when no row uses min-p. The torch path's own log, so that
+    the kernels cut at the same logit."""
+    if meta.min_p is None:
+        return None
+    log_min_p = torch.log(meta.min_p)
+    if meta.min_p_rows is None:
+        return log_min_p
+    return log_min_p.new_full((batch,), float("-inf")).index_copy_(0, meta.min_p_rows, log_min_p)
+
+
 def top_p_kernel_serves(meta: SamplingMetadata) -> bool:
     """Whether the top-p draw's kernel (kernels/sample_top_p.py; on the GPU) can draw the batch:
-    top-p on some rows, top-k and min-p on none. The other rows come along (greedy, or top_p = 1);
+    top-p or min-p on some rows, top-k on none. The other rows come along (greedy, or plain);
     min_tokens bans and penalties are applied first, to float32 logits, as on the torch path."""
-    return meta.top_p is not None and meta.top_k is None and meta.min_p is None
+    return meta.top_k is None and (meta.top_p is not None or meta.min_p is not None)
 
 
 def _sample_top_p_kernel(logits: torch.Tensor, meta: SamplingMetadata, keys: torch.Tensor) -> torch.Tensor:
-    """The draw over each row's nucleus without sorting the vocabulary (kernels/sample_top_p.py)."""
+    """The draw over each row's nucleus (after min-p) without sorting the vocabulary
+    (kernels/sample_top_p.py)."""
     from nanovllm.kernels.sample_top_p import sample_top_p_rows
+    batch = logits.shape[0]
     top_p = meta.top_p
-    if meta.filter_rows is not None:
-        top_p = top_p.new_ones(logits.shape[0]).index_copy_(0, meta.filter_rows, top_p)
+    if top_p is None:  # min-p alone
+        top_p = meta.temperatures.new_ones(batch)
+    elif meta.filter_rows is not None:
+        top_p = top_p.new_ones(batch).index_copy_(0, meta.filter_rows, top_p)
     if meta.banned_ids is not None or meta.penalties is not None:
         logits = processed_logits(logits, meta)
-    return sample_top_p_rows(logits, meta.temperatures, top_p, keys)
+    return sample_top_p_rows(logits, meta.temperatures, top_p, keys, log_min_p=_log_min_p(meta, batch))
 
 
 def _filter_kernel_draw(dtype: torch.dtype, meta: SamplingMetadata):

@@ -4,17 +4,18 @@ import torch
 
 from nanovllm.kernels.sample import SampleConfig
 from nanovllm.kernels.sample_top_p import sample_top_p_rows
-from nanovllm.layers.sampler import _gumbel, _top_k_top_p, row_keys
+from nanovllm.layers.sampler import _gumbel, _min_p, _top_k_top_p, row_keys
 from test_sample_top_k import _distinct_logits, _metadata, check_top_p_prefix
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def _reference(logits, temps, top_p, keys):
+def _reference(logits, temps, top_p, keys, min_p=None):
     """The torch sampler's draw: greedy rows the argmax, random rows the Gumbel-max over the nucleus
-    of logits / T."""
+    of logits / T (after min-p, where given)."""
     x = logits.float() / torch.where(temps > 0, temps, 1.0)[:, None]
-    nucleus = _top_k_top_p(x.clone(), None, top_p, 0)
+    filtered = x.clone() if min_p is None else _min_p(x.clone(), min_p)
+    nucleus = _top_k_top_p(filtered, None, top_p, 0)
     ids = torch.arange(x.shape[1]).expand_as(x)
     return torch.where(temps > 0, (nucleus + _gumbel(keys, ids)).argmax(-1), x.argmax(-1))
 
@@ -31,11 +32,12 @@ def _check(got, expected, logits, temps, keys):
         assert temps[row] > 0 and abs(a - b) <= 1e-5 * max(1.0, abs(a)), (row, a, b)
 
 
+@pytest.mark.parametrize("min_p", [False, True])
 @pytest.mark.parametrize("test_first", [True, False])
 @pytest.mark.parametrize("chunks", ["default", "many"])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("vocab", [300, 3001])
-def test_draws_the_torch_samplers_tokens(dtype, vocab, chunks, test_first):
+def test_draws_the_torch_samplers_tokens(dtype, vocab, chunks, test_first, min_p):
     gen = torch.Generator().manual_seed(vocab)
     rows = 20
     # Distinct values (scaled by a power of two: still distinct), so that the ranking needs no tie rule.
@@ -45,11 +47,14 @@ def test_draws_the_torch_samplers_tokens(dtype, vocab, chunks, test_first):
     temps[::7] = 0.0
     top_p = torch.tensor([0.01, 0.3, 0.5, 0.9, 0.99, 1.0] * 4)[:rows]
     keys = row_keys(torch.randint(0, 2**62, (rows,), generator=gen), torch.randint(0, 900, (rows,), generator=gen))
-    expected = _reference(logits, temps, top_p, keys)
+    # min-p on most rows (0 = off on some), strong enough to cut where top-p would not.
+    min_ps = torch.tensor([0.0, 0.05, 0.3, 0.6, 0.9] * 4)[:rows] if min_p else None
+    expected = _reference(logits, temps, top_p, keys, min_ps)
     # "many": the first draw over 128-logit tiles, each row cut into several chunks.
     config = SampleConfig(64, 128, 4, False, False) if chunks == "many" else None
+    log_min_p = None if min_ps is None else torch.log(min_ps).to(DEVICE)
     got = sample_top_p_rows(*(t.to(DEVICE) for t in (logits, temps, top_p, keys)), config=config,
-                            test_first=test_first).cpu()
+                            test_first=test_first, log_min_p=log_min_p).cpu()
     _check(got, expected, logits, temps, keys)
 
 
@@ -74,7 +79,9 @@ def test_sampler_picks_the_kernel_draw_for_its_filters():
     assert pick([SP(top_k=20, top_p=0.9), SP(temperature=0.0)]) is _sample_top_k_kernel
     assert pick([SP(top_k=500, top_p=0.9)]) is None  # top-k past the top-k kernel's bound
     assert pick([SP(top_p=0.9), SP(top_k=20)]) is None  # a random row without top-k beside a top-k one
-    assert pick([SP(top_p=0.9, min_p=0.1)]) is None
+    assert pick([SP(top_p=0.9, min_p=0.1)]) is _sample_top_p_kernel
+    assert pick([SP(min_p=0.1), SP()]) is _sample_top_p_kernel
+    assert pick([SP(top_k=5, min_p=0.1)]) is _sample_top_k_kernel
     assert pick([SP(top_p=0.9, frequency_penalty=0.5)]) is _sample_top_p_kernel  # on the float32 logits
     assert pick([SP(top_p=0.9, min_tokens=2, stop_token_ids=[3])]) is _sample_top_p_kernel
     assert pick([SP(top_k=20, repetition_penalty=1.2)]) is _sample_top_k_kernel
@@ -86,7 +93,7 @@ def test_sampler_kernel_draw_equals_the_torch_path_on_a_mixed_batch():
     kernel's tokens (the other rows given top_p = 1) are the torch path's."""
     from nanovllm.layers.sampler import Sampler, _sample_top_p_kernel
     from nanovllm.sampling_params import SamplingParams as SP
-    logits = _distinct_logits(15, 3001, torch.Generator().manual_seed(9), torch.bfloat16) * 0.125
+    logits = _distinct_logits(18, 3001, torch.Generator().manual_seed(9), torch.bfloat16) * 0.125
     best = logits.float().argmax(-1).tolist()
     params = [SP(temperature=0.0), SP(temperature=0.7, top_p=0.3), SP(temperature=1.3),
               SP(temperature=1.1, top_p=0.95), SP(temperature=0.0, top_p=0.5)] * 2
@@ -95,8 +102,10 @@ def test_sampler_kernel_draw_equals_the_torch_path_on_a_mixed_batch():
                SP(temperature=0.9, top_p=0.6, presence_penalty=2.0, frequency_penalty=0.5),
                SP(temperature=0.8, top_p=0.9, min_tokens=2, stop_token_ids=[best[12]]),
                SP(temperature=0.0, min_tokens=2, stop_token_ids=[best[13]]), SP(temperature=0.7, top_p=0.8)]
+    params += [SP(temperature=1.2, min_p=0.5), SP(temperature=1.1, top_p=0.9, min_p=0.7), SP(temperature=0.9)]
     meta = _metadata(params)
     assert meta.filter_rows is not None and meta.penalties is not None and meta.banned_ids is not None
+    assert meta.min_p_rows is not None
     expected = Sampler().sample(logits, _metadata(params, "cpu")).token_ids  # the torch path, on the CPU
     got = _sample_top_p_kernel(logits.to(DEVICE), meta, meta.row_keys).cpu()
     assert torch.equal(got, expected) and got[10] != best[10] and got[13] != best[13]
