@@ -174,10 +174,12 @@ class ModelRunner:
         as it needs); before the first request any block will do."""
         from nanovllm.sampling_params import SamplingParams
         per_seq, blocks_per_seq = self._largest_step_layout(num_tokens, num_seqs)
-        # The sampler's heaviest path: a full-vocabulary sort (top-p), penalties and logprobs hold
-        # several [rows, vocab] fp32 tensors at once, more than the plain draw's peak.
-        params = SamplingParams(temperature=1.0, top_p=0.9, repetition_penalty=1.1, logprobs=20)
-        seqs = [Sequence([0] * per_seq, params, seed=i) for i in range(num_seqs)]
+        # The sampler's heaviest path: the torch path's full-vocabulary sort (top-p beside top-k rows,
+        # which no kernel takes), penalties and logprobs hold several [rows, vocab] fp32 tensors at
+        # once, more than the plain draw's peak.
+        params = [SamplingParams(temperature=1.0, top_p=0.9, top_k=50 * (i % 2), repetition_penalty=1.1, logprobs=20)
+                  for i in range(2)]
+        seqs = [Sequence([0] * per_seq, params[i % 2], seed=i) for i in range(num_seqs)]
         num_blocks = num_blocks or num_seqs * blocks_per_seq
         for i, seq in enumerate(seqs):
             seq.block_table = [b % num_blocks for b in range(i * blocks_per_seq, (i + 1) * blocks_per_seq)]
@@ -224,13 +226,14 @@ class ModelRunner:
         self._warm_sampler()
         torch.cuda.synchronize(self.device)
 
-    # The eager sampler's paths (top-k, top-k + top-p and top-p through their kernels, and through torch ops
-    # where min-p comes with them; min-p, penalties, logprobs, min_tokens bans) use kernels the plain draw
-    # does not; CUDA loads (Triton: compiles) each on its first call (~0.2 s for a top-p batch, measured in
-    # bench.py's timed run), which would otherwise land in a request's step.
+    # The eager sampler's paths use kernels the plain draw does not: the filters' Triton kernels (their
+    # common variants: top-k, with top-p, with min-p, on the float32 logits penalties leave; top-p; min-p),
+    # torch ops for top_k past the kernels' 128, penalties, logprobs, min_tokens bans. CUDA loads (Triton
+    # compiles) each on its first call (~0.2 s for a top-p batch, measured in bench.py's timed run), which
+    # would otherwise land in a request's step.
     _WARM_SAMPLING = ({"top_k": 50}, {"top_k": 50, "top_p": 0.9}, {"top_p": 0.9}, {"min_p": 0.1},
-                      {"top_k": 50, "min_p": 0.05}, {"top_k": 50, "top_p": 0.9, "min_p": 0.05},
-                      {"top_p": 0.9, "min_p": 0.05},
+                      {"top_k": 40, "top_p": 0.95, "min_p": 0.05},
+                      {"top_k": 20, "top_p": 0.8, "repetition_penalty": 1.05}, {"top_k": 200, "top_p": 0.9},
                       {"repetition_penalty": 1.1, "presence_penalty": 0.5, "frequency_penalty": 0.5},
                       {"logprobs": 5}, {"min_tokens": 4, "stop_token_ids": [1]})
 
