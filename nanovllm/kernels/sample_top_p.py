@@ -16,11 +16,10 @@ over the nucleus N without knowing N:
 
 With min-p (applied before top-p, vLLM's order) N is also cut to the tokens within log(min_p) of
 the largest x/T, and the search for the next candidate keeps to those. The top token always belongs
-to N, so the loop ends. The first draw lands in N with probability
-mass(N) >= top_p, so most rows take the first draw and one more pass. Greedy
-rows take the first maximum and rows with top_p = 1 the plain draw, after the first draw. The
-token is the torch path's, up to the order of equal logits and float rounding at the nucleus's
-edge.
+to N, so the loop ends. Without min-p the first draw lands in N with probability mass(N) >= top_p,
+so most rows take the first draw and one more pass. Greedy rows take the first maximum, and rows
+with top_p = 1 (and no min-p) the plain draw, after the first draw. The token is the torch path's,
+up to the order of equal logits and float rounding at the nucleus's edge.
 """
 import torch
 import triton
