@@ -185,6 +185,7 @@ def main():
                     help="sampling filter to price (default: off; with --single the request then samples at 0.6)")
     ap.add_argument("--top-k", type=int, default=-1)
     ap.add_argument("--min-p", type=float, default=0.0)
+    ap.add_argument("--repetition-penalty", type=float, default=1.0)
     ap.add_argument("--repeat", type=int, default=1,
                     help="timed runs, the later ones on other prompt tokens (the first is the reported figure)")
     ap.add_argument("--json", help="write the figures to this file")
@@ -226,14 +227,15 @@ def main():
     if args.single:
         random.seed(0)
         # Greedy, unless a filter is to be priced: then sampled at the benchmark's temperature.
-        filtered = args.top_p < 1.0 or args.top_k > 0 or args.min_p > 0.0
+        filtered = args.top_p < 1.0 or args.top_k > 0 or args.min_p > 0.0 or args.repetition_penalty != 1.0
         prompts = [[random.randint(0, 10000) for _ in range(128)]]
         params = [SamplingParams(temperature=0.6 if filtered else 0.0, ignore_eos=True, max_tokens=512,
-                                 top_p=args.top_p, top_k=args.top_k, min_p=args.min_p)]
+                                 top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
+                                 repetition_penalty=args.repetition_penalty)]
     else:
         prompts, max_tokens = workload(args.num_seqs, args.max_input_len, args.max_output_len)
         params = [SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=m, top_p=args.top_p, top_k=args.top_k,
-                                 min_p=args.min_p) for m in max_tokens]
+                                 min_p=args.min_p, repetition_penalty=args.repetition_penalty) for m in max_tokens]
     llm.generate([[1, 2, 3, 4, 5]], SamplingParams(max_tokens=16), use_tqdm=False)  # warm-up
     if args.log_compiles:
         log_triton_compiles()

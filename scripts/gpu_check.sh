@@ -3,7 +3,8 @@
 #   bash scripts/gpu_check.sh [OUTDIR]      (on the device machine: OUTDIR defaults to $OUT)
 # Stages can be picked with STAGES="tests kernels bench single bench8b" (that default), or with
 # any of: eager (enforce_eager=True), nosplitk (A/B of the split-K projections), topp (top-p 0.9 + top-k 50),
-# topponly (top-p 0.9 alone),
+# topponly (top-p 0.9 alone), filters (llama.cpp-style top-k 40 + top-p 0.95 + min-p 0.05, then Qwen2.5's
+# generation config: top-k 20 + top-p 0.8 + repetition penalty 1.05),
 # nopdl (programmatic dependent launch off), profile (device busy vs idle over a run, top kernels),
 # host (host time per engine-step stage at a few batch sizes), hostprefill (the same for the benchmark's
 # prefill steps), hoststages (bench.py with the host time per stage of its prefill steps), clocks (bench.py with
@@ -41,6 +42,8 @@ for stage in $STAGES; do
     nosplitk) run nosplitk python3 bench.py --no-split-k --json "$OUTDIR/bench_qwen3_0.6b_nosplitk.json" ;;
     topp)    run topp python3 bench.py --top-p 0.9 --top-k 50 --json "$OUTDIR/bench_qwen3_0.6b_topp.json" ;;
     topponly) run topponly python3 bench.py --top-p 0.9 --json "$OUTDIR/bench_qwen3_0.6b_topponly.json" ;;
+    filters) run filters_minp python3 bench.py --top-k 40 --top-p 0.95 --min-p 0.05
+             run filters_penalty python3 bench.py --top-k 20 --top-p 0.8 --repetition-penalty 1.05 ;;
     nopdl)   NANOVLLM_PDL=0 run nopdl python3 bench.py --json "$OUTDIR/bench_qwen3_0.6b_nopdl.json" ;;
     profile) run profile python3 bench.py --profile ;;
     host)    run host python3 scripts/host_timing.py ;;
