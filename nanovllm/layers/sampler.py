@@ -18,20 +18,9 @@ from typing import NamedTuple
 import torch
 from torch import nn
 
+from nanovllm.layers.penalties import PenaltyInputs, apply_penalties
+
 _M32 = 0xFFFFFFFF
-
-
-@dataclass
-class PenaltyInputs:
-    """Token histories of the rows that use penalties, as zero-padded [P, L] tensors with lengths."""
-    rows: torch.Tensor | None              # [P] rows of the batch, None: all rows
-    output_tokens: torch.Tensor            # [P, Lo] int64 generated tokens
-    output_lens: torch.Tensor              # [P] int64
-    prompt_tokens: torch.Tensor | None     # [P, Lp] int64; only when some row has a repetition penalty
-    prompt_lens: torch.Tensor | None
-    repetition: torch.Tensor | None        # [P] float32, 1.0 = off; None when no row uses it
-    frequency: torch.Tensor | None         # [P] float32, 0.0 = off
-    presence: torch.Tensor | None          # [P] float32, 0.0 = off
 
 
 @dataclass
@@ -177,43 +166,6 @@ def exponential_noise(seeds: torch.Tensor, offsets: torch.Tensor, vocab_size: in
     return exponential_from_bits(_noise_bits(row_keys(seeds, offsets) if keys is None else keys, cols[None, :]))
 
 
-def _occurrences(tokens: torch.Tensor, lens: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    """Each row's first lens[i] tokens of the zero-padded [P, L] tokens; the padding becomes
-    vocab_size (a spare column)."""
-    valid = torch.arange(tokens.shape[1], device=tokens.device)[None, :] < lens[:, None]
-    return torch.where(valid, tokens, vocab_size)
-
-
-def apply_penalties(logits: torch.Tensor, p: PenaltyInputs) -> torch.Tensor:
-    """Repetition (HF/vLLM: over prompt and output), then frequency and presence (over the output).
-    Computed at the (row, token) pairs that occur, a few thousand per row against a vocabulary of
-    ~10^5: nothing of [rows, vocab] size beyond one copy of the logits, and no host sync. The same
-    float operations as over the whole vocabulary, so the same values. Out of place: the caller's
-    logits stay intact (they may be the raw logits logprobs need)."""
-    batch, vocab_size = logits.shape
-    device = logits.device
-    # The padding reads and writes a spare column. A pair that occurs several times is written once
-    # per occurrence, with the same value each time.
-    x = torch.empty(batch, vocab_size + 1, dtype=logits.dtype, device=device)
-    x[:, :vocab_size] = logits
-    tokens = _occurrences(p.output_tokens, p.output_lens, vocab_size)
-    if p.repetition is not None:
-        tokens = torch.cat([tokens, _occurrences(p.prompt_tokens, p.prompt_lens, vocab_size)], dim=1)
-    num_rows, width = tokens.shape
-    output = tokens[:, :p.output_tokens.shape[1]].sort(dim=1).values
-    count = torch.searchsorted(output, tokens, right=True) - torch.searchsorted(output, tokens)  # in the output
-    rows = (torch.arange(num_rows, device=device) if p.rows is None else p.rows)[:, None].expand(num_rows, width)
-    value = x[rows, tokens]
-    if p.repetition is not None:
-        value = torch.where(value > 0, value / p.repetition[:, None], value * p.repetition[:, None])
-    if p.frequency is not None:
-        value = value - p.frequency[:, None] * count.to(value.dtype)
-    if p.presence is not None:
-        value = value - p.presence[:, None] * (count > 0)
-    x[rows, tokens] = value
-    return x[:, :vocab_size]
-
-
 def _min_p(x: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
     # prob < min_p * max_prob  <=>  logit < max_logit + log(min_p): no softmax needed.
     threshold = x.amax(dim=-1, keepdim=True) + torch.log(min_p)[:, None]
@@ -289,7 +241,7 @@ def top_k_kernel_serves(dtype: torch.dtype, meta: SamplingMetadata) -> bool:
 
 def _sample_top_k_kernel(logits: torch.Tensor, meta: SamplingMetadata, keys: torch.Tensor) -> torch.Tensor:
     """The draw of `_sample_top_k` (and greedy rows' argmax) in the kernels' few passes over the
-    16-bit logits, instead of fp32 copies and a vocabulary-wide topk."""
+    logits (16-bit, or the float32 ones penalties leave), instead of a vocabulary-wide topk."""
     from nanovllm.kernels.sample_top_k import sample_top_k_rows
     batch = logits.shape[0]
     top_k, top_p = meta.top_k, meta.top_p
@@ -314,11 +266,12 @@ def _log_min_p(meta: SamplingMetadata, batch: int) -> torch.Tensor | None:
     return log_min_p.new_full((batch,), float("-inf")).index_copy_(0, meta.min_p_rows, log_min_p)
 
 
-def top_p_kernel_serves(meta: SamplingMetadata) -> bool:
+def top_p_kernel_serves(dtype: torch.dtype, meta: SamplingMetadata) -> bool:
     """Whether the top-p draw's kernel (kernels/sample_top_p.py; on the GPU) can draw the batch:
     top-p or min-p on some rows, top-k on none. The other rows come along (greedy, or plain);
     min_tokens bans and penalties are applied first, to float32 logits, as on the torch path."""
-    return meta.top_k is None and (meta.top_p is not None or meta.min_p is not None)
+    return (dtype in (torch.bfloat16, torch.float16, torch.float32) and meta.top_k is None
+            and (meta.top_p is not None or meta.min_p is not None))
 
 
 def _sample_top_p_kernel(logits: torch.Tensor, meta: SamplingMetadata, keys: torch.Tensor) -> torch.Tensor:
@@ -340,7 +293,7 @@ def _filter_kernel_draw(dtype: torch.dtype, meta: SamplingMetadata):
     """The kernels' draw that serves the batch's filters on the GPU, or None (the torch path)."""
     if top_k_kernel_serves(dtype, meta):
         return _sample_top_k_kernel
-    if top_p_kernel_serves(meta):
+    if top_p_kernel_serves(dtype, meta):
         return _sample_top_p_kernel
     return None
 
@@ -363,7 +316,7 @@ class Sampler(nn.Module):
         filters = meta.min_p is not None or meta.top_k is not None or meta.top_p is not None
         keys = meta.row_keys if meta.row_keys is not None else row_keys(meta.seeds, meta.offsets)
         kernel_draw = _filter_kernel_draw(logits.dtype, meta) if logits.is_cuda else None
-        if kernel_draw is not None:  # the filters and the draw in Triton kernels, no fp32 copies
+        if kernel_draw is not None:  # the filters and the draw in Triton kernels: no vocabulary sort
             tokens = kernel_draw(logits, meta, keys)
             if meta.max_num_logprobs is None:
                 return SamplerOutput(tokens)

@@ -7,7 +7,8 @@ import numpy as np
 import torch
 
 from nanovllm.engine.sequence import Sequence
-from nanovllm.layers.sampler import PenaltyInputs, SamplingMetadata, _mix32
+from nanovllm.layers.penalties import PenaltyInputs
+from nanovllm.layers.sampler import SamplingMetadata, _mix32
 from nanovllm.worker.inputs import SEED_MASK, _to_device
 
 _M32 = np.uint64(0xFFFFFFFF)

@@ -179,51 +179,6 @@ def test_presence_frequency_penalties_match_vllm_formula():
         torch.testing.assert_close(ours[i], ref)
 
 
-def _dense_penalties(logits, p):
-    """The penalties over the whole [rows, vocab] (the sampler's former form): counts by scatter_add."""
-    def counts_of(tokens, lens):
-        valid = torch.arange(tokens.shape[1])[None, :] < lens[:, None]
-        return torch.zeros(tokens.shape[0], logits.shape[1]).scatter_add_(1, tokens, valid.float())
-    x = logits if p.rows is None else logits.index_select(0, p.rows)
-    counts = counts_of(p.output_tokens, p.output_lens)
-    in_output = counts > 0
-    if p.repetition is not None:
-        seen = in_output | (counts_of(p.prompt_tokens, p.prompt_lens) > 0)
-        penalty = torch.where(seen, p.repetition[:, None], 1.0)
-        x = torch.where(x > 0, x / penalty, x * penalty)
-    if p.frequency is not None:
-        x = x - p.frequency[:, None] * counts
-    if p.presence is not None:
-        x = x - p.presence[:, None] * in_output
-    return x if p.rows is None else logits.index_copy(0, p.rows, x)
-
-
-@pytest.mark.parametrize("which", ["all", "repetition", "frequency_presence"])
-def test_penalties_at_the_occurring_pairs_equal_the_dense_form_bit_for_bit(which):
-    """Many repeats (a 40-token vocabulary), tokens in both prompt and output, empty histories,
-    a subset of rows, -inf and zeros: the same values as the whole-vocabulary computation."""
-    import dataclasses
-
-    from nanovllm.layers.sampler import PenaltyInputs, apply_penalties
-    g = torch.Generator().manual_seed(11)
-    batch, rows, vocab = 7, torch.tensor([0, 2, 3, 6]), 40
-    logits = torch.randn(batch, vocab, generator=g) * 4
-    logits[0, :3] = torch.tensor([float("-inf"), 0.0, -0.0])
-    out_lens, prompt_lens = torch.tensor([0, 30, 5, 60]), torch.tensor([3, 0, 25, 9])
-    outputs = torch.randint(0, vocab, (4, 60), generator=g) * (torch.arange(60) < out_lens[:, None])
-    prompts = torch.randint(0, vocab, (4, 25), generator=g) * (torch.arange(25) < prompt_lens[:, None])
-    rep = torch.tensor([1.3, 0.7, 1.0, 2.0]) if which != "frequency_presence" else None
-    freq = torch.tensor([0.5, -0.25, 0.0, 1.5]) if which != "repetition" else None
-    pres = torch.tensor([-1.0, 0.3, 0.7, 0.0]) if which != "repetition" else None
-    p = PenaltyInputs(rows, outputs, out_lens, prompts if rep is not None else None,
-                      prompt_lens if rep is not None else None, rep, freq, pres)
-    on_dev = PenaltyInputs(**{f.name: None if getattr(p, f.name) is None else getattr(p, f.name).to(DEV)
-                              for f in dataclasses.fields(p)})
-    ours = apply_penalties(logits.to(DEV), on_dev).cpu()
-    assert torch.equal(ours, _dense_penalties(logits, p))  # (the dense form's x - 0.0 may flip a -0.0's sign)
-    assert torch.equal(logits[0, :3], torch.tensor([float("-inf"), 0.0, -0.0]))  # out of place
-
-
 def test_penalties_touch_only_their_rows_and_steer_greedy():
     prompts, outputs = _histories(4)
     logits = torch.randn(4, V, generator=torch.Generator().manual_seed(5))
