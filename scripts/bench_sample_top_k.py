@@ -48,12 +48,12 @@ def _eager_us(fn, reps: int = 20) -> float:
 @contextlib.contextmanager
 def _kernels_off():
     """The sampler's torch path for top-k batches, as before the kernels."""
-    pick = sampler_module._filter_kernel_draw
-    sampler_module._filter_kernel_draw = lambda *args: None
+    pick = sampler_module.filter_kernel_draw
+    sampler_module.filter_kernel_draw = lambda *args: None
     try:
         yield
     finally:
-        sampler_module._filter_kernel_draw = pick
+        sampler_module.filter_kernel_draw = pick
 
 
 def _batch(batch: int, **filters):

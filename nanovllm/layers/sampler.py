@@ -18,6 +18,7 @@ from typing import NamedTuple
 import torch
 from torch import nn
 
+from nanovllm.layers.filter_kernels import filter_kernel_draw
 from nanovllm.layers.penalties import PenaltyInputs, apply_penalties
 
 _M32 = 0xFFFFFFFF
@@ -38,6 +39,9 @@ class SamplingMetadata:
     max_top_k: int = 0
     top_k_bounded: bool = False               # every filtered row has top_k > 0 (candidates suffice)
     random_rows_filtered: bool = False        # every random row is a filtered row (the rest are greedy)
+    # Where some random rows have a top_k and others none: the rows with one, and all the others.
+    top_k_rows: torch.Tensor | None = None
+    other_rows: torch.Tensor | None = None
     # min-p, over the random rows that use it.
     min_p_rows: torch.Tensor | None = None
     min_p: torch.Tensor | None = None         # [M] float32; None when no row uses min-p
@@ -166,6 +170,14 @@ def exponential_noise(seeds: torch.Tensor, offsets: torch.Tensor, vocab_size: in
     return exponential_from_bits(_noise_bits(row_keys(seeds, offsets) if keys is None else keys, cols[None, :]))
 
 
+def draw_with_kernels(draw, logits: torch.Tensor, meta: SamplingMetadata, keys: torch.Tensor) -> torch.Tensor:
+    """A `filter_kernels` draw on the logits as the bans and penalties leave them: penalties on
+    float32 logits, as on the torch path; bans alone as -inf in a copy in the logits' own dtype
+    (the float32 path's -inf: the same draws)."""
+    x = processed_logits(logits, meta) if meta.penalties is not None else _banned(logits, meta)
+    return draw(x, meta, keys)
+
+
 def _min_p(x: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
     # prob < min_p * max_prob  <=>  logit < max_logit + log(min_p): no softmax needed.
     threshold = x.amax(dim=-1, keepdim=True) + torch.log(min_p)[:, None]
@@ -230,74 +242,6 @@ def processed_logits(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tens
     return x
 
 
-def top_k_kernel_serves(dtype: torch.dtype, meta: SamplingMetadata) -> bool:
-    """Whether the top-k draw's kernels (kernels/sample_top_k.py; on the GPU) can draw the batch:
-    every random row with a top_k they take (greedy rows come along; min-p, top-p, min_tokens
-    bans and penalties too)."""
-    from nanovllm.kernels.sample_top_k import MAX_TOP_K
-    return (dtype in (torch.bfloat16, torch.float16, torch.float32) and meta.top_k_bounded
-            and meta.random_rows_filtered and 0 < meta.max_top_k <= MAX_TOP_K)
-
-
-def _sample_top_k_kernel(logits: torch.Tensor, meta: SamplingMetadata, keys: torch.Tensor) -> torch.Tensor:
-    """The draw of `_sample_top_k` (and greedy rows' argmax) in the kernels' few passes over the
-    logits (16-bit, or the float32 ones penalties leave), instead of a vocabulary-wide topk."""
-    from nanovllm.kernels.sample_top_k import sample_top_k_rows
-    batch = logits.shape[0]
-    top_k, top_p = meta.top_k, meta.top_p
-    if meta.filter_rows is not None:  # the other rows are greedy: any top_k, top_p serves them
-        top_k = top_k.new_ones(batch).index_copy_(0, meta.filter_rows, top_k)
-        top_p = None if top_p is None else top_p.new_ones(batch).index_copy_(0, meta.filter_rows, top_p)
-    log_min_p = _log_min_p(meta, batch)
-    # Penalties on float32 logits, as on the torch path; bans alone as -inf in a copy in the logits'
-    # own dtype (the float32 path's -inf: the same candidates).
-    x = processed_logits(logits, meta) if meta.penalties is not None else _banned(logits, meta)
-    return sample_top_k_rows(x, meta.temperatures, top_k, top_p, keys, meta.max_top_k, log_min_p=log_min_p)
-
-
-def _log_min_p(meta: SamplingMetadata, batch: int) -> torch.Tensor | None:
-    """[B] log(min_p), -inf where off; None when no row uses min-p. The torch path's own log, so that
-    the kernels cut at the same logit."""
-    if meta.min_p is None:
-        return None
-    log_min_p = torch.log(meta.min_p)
-    if meta.min_p_rows is None:
-        return log_min_p
-    return log_min_p.new_full((batch,), float("-inf")).index_copy_(0, meta.min_p_rows, log_min_p)
-
-
-def top_p_kernel_serves(dtype: torch.dtype, meta: SamplingMetadata) -> bool:
-    """Whether the top-p draw's kernel (kernels/sample_top_p.py; on the GPU) can draw the batch:
-    top-p or min-p on some rows, top-k on none. The other rows come along (greedy, or plain);
-    min_tokens bans and penalties are applied first, to float32 logits, as on the torch path."""
-    return (dtype in (torch.bfloat16, torch.float16, torch.float32) and meta.top_k is None
-            and (meta.top_p is not None or meta.min_p is not None))
-
-
-def _sample_top_p_kernel(logits: torch.Tensor, meta: SamplingMetadata, keys: torch.Tensor) -> torch.Tensor:
-    """The draw over each row's nucleus (after min-p) without sorting the vocabulary
-    (kernels/sample_top_p.py)."""
-    from nanovllm.kernels.sample_top_p import sample_top_p_rows
-    batch = logits.shape[0]
-    top_p = meta.top_p
-    if top_p is None:  # min-p alone
-        top_p = meta.temperatures.new_ones(batch)
-    elif meta.filter_rows is not None:
-        top_p = top_p.new_ones(batch).index_copy_(0, meta.filter_rows, top_p)
-    if meta.banned_ids is not None or meta.penalties is not None:
-        logits = processed_logits(logits, meta)
-    return sample_top_p_rows(logits, meta.temperatures, top_p, keys, log_min_p=_log_min_p(meta, batch))
-
-
-def _filter_kernel_draw(dtype: torch.dtype, meta: SamplingMetadata):
-    """The kernels' draw that serves the batch's filters on the GPU, or None (the torch path)."""
-    if top_k_kernel_serves(dtype, meta):
-        return _sample_top_k_kernel
-    if top_p_kernel_serves(dtype, meta):
-        return _sample_top_p_kernel
-    return None
-
-
 def _on_rows(x: torch.Tensor, rows: torch.Tensor | None, fn) -> torch.Tensor:
     if rows is None:
         return fn(x)
@@ -315,9 +259,9 @@ class Sampler(nn.Module):
     def sample(self, logits: torch.Tensor, meta: SamplingMetadata) -> SamplerOutput:
         filters = meta.min_p is not None or meta.top_k is not None or meta.top_p is not None
         keys = meta.row_keys if meta.row_keys is not None else row_keys(meta.seeds, meta.offsets)
-        kernel_draw = _filter_kernel_draw(logits.dtype, meta) if logits.is_cuda else None
+        kernel_draw = filter_kernel_draw(logits.dtype, meta) if logits.is_cuda else None
         if kernel_draw is not None:  # the filters and the draw in Triton kernels: no vocabulary sort
-            tokens = kernel_draw(logits, meta, keys)
+            tokens = draw_with_kernels(kernel_draw, logits, meta, keys)
             if meta.max_num_logprobs is None:
                 return SamplerOutput(tokens)
             return self._with_logprobs(logits.float(), tokens, meta.max_num_logprobs)

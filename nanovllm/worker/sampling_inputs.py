@@ -81,6 +81,12 @@ def build_sampling_metadata(seqs: list[Sequence], device: torch.device, eos_toke
             meta.max_top_k = max(top_ks)
             meta.top_k_bounded = all(top_ks)
         meta.random_rows_filtered = len(filter_rows) == num_seqs - int(greedy.sum())
+        if any(top_ks) and not (meta.top_k_bounded and meta.random_rows_filtered):
+            # Rows with a top_k beside random rows without one: the sampler may split the batch.
+            with_k = [row for row, k in zip(filter_rows, top_ks) if k > 0]
+            others = sorted(set(range(num_seqs)) - set(with_k))
+            meta.top_k_rows = _to_device(np.asarray(with_k, dtype=np.int64), device)
+            meta.other_rows = _to_device(np.asarray(others, dtype=np.int64), device)
         if any(p < 1.0 for p in top_ps):
             meta.top_p = _to_device(np.asarray(top_ps, dtype=np.float32), device)
     if min_p_rows:

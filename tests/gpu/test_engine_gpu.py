@@ -126,7 +126,7 @@ def test_qwen3_06b_bf16_filter_kernels_draw_the_torch_paths_tokens(filters, tmp_
     runs = []
     for kernels in (True, False):
         if not kernels:
-            monkeypatch.setattr(sampler, "_filter_kernel_draw", lambda *args: None)
+            monkeypatch.setattr(sampler, "filter_kernel_draw", lambda *args: None)
         with LLM(str(tmp_path), **kwargs) as llm:
             runs.append([o["token_ids"] for o in llm.generate(prompts, params, use_tqdm=False)])
     assert runs[0] == runs[1]

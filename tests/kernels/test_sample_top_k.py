@@ -119,7 +119,7 @@ def _metadata(params, device=DEVICE):
 def test_sampler_routes_bounded_top_k_batches_to_the_kernels():
     """Which batches the sampler gives the kernels: random rows all with a top_k up to MAX_TOP_K
     (greedy rows may come along), 16-bit logits, no stage that runs on fp32 logits first."""
-    from nanovllm.layers.sampler import top_k_kernel_serves
+    from nanovllm.layers.filter_kernels import top_k_kernel_serves
     from nanovllm.sampling_params import SamplingParams as SP
     serves = lambda params, dtype=torch.bfloat16: top_k_kernel_serves(dtype, _metadata(params))  # noqa: E731
     assert serves([SP(top_k=50), SP(top_k=5, top_p=0.9)])
@@ -140,7 +140,8 @@ def test_sampler_routes_bounded_top_k_batches_to_the_kernels():
 def test_sampler_kernel_draw_equals_the_torch_path_on_a_mixed_batch():
     """Greedy rows, top-k rows, top-k + top-p rows and rows with min-p as well in one batch: the
     kernels' tokens (rows given to them through `filter_rows` and `min_p_rows`) are the torch path's."""
-    from nanovllm.layers.sampler import Sampler, _sample_top_k_kernel
+    from nanovllm.layers.filter_kernels import _draw_top_k
+    from nanovllm.layers.sampler import Sampler, draw_with_kernels
     from nanovllm.sampling_params import SamplingParams as SP
     params = [SP(temperature=0.0), SP(temperature=0.7, top_k=40), SP(temperature=1.1, top_k=3, top_p=0.8),
               SP(temperature=0.0, top_k=9), SP(temperature=0.5, top_k=MAX_TOP_K, top_p=0.5),
@@ -150,7 +151,7 @@ def test_sampler_kernel_draw_equals_the_torch_path_on_a_mixed_batch():
     # Scaled down (by a power of two: still distinct) so that min-p and top-p keep many candidates.
     logits = _distinct_logits(len(params), 3001, torch.Generator().manual_seed(7), torch.bfloat16) * 0.125
     expected = Sampler().sample(logits, _metadata(params, "cpu")).token_ids  # the torch path, on the CPU
-    got = _sample_top_k_kernel(logits.to(DEVICE), meta, meta.row_keys).cpu()
+    got = draw_with_kernels(_draw_top_k, logits.to(DEVICE), meta, meta.row_keys).cpu()
     assert torch.equal(got, expected)
     # min-p binds there: without it, some of those rows draw other tokens.
     no_min_p = [SP(temperature=sp.temperature, top_k=sp.top_k, top_p=sp.top_p) for sp in params]
@@ -160,7 +161,8 @@ def test_sampler_kernel_draw_equals_the_torch_path_on_a_mixed_batch():
 def test_sampler_kernel_draw_applies_min_tokens_bans():
     """A row still under min_tokens cannot draw its stop id: with the row's best token as that id,
     greedy and random rows draw as the torch path does, which is never that token."""
-    from nanovllm.layers.sampler import Sampler, _sample_top_k_kernel
+    from nanovllm.layers.filter_kernels import _draw_top_k
+    from nanovllm.layers.sampler import Sampler, draw_with_kernels
     from nanovllm.sampling_params import SamplingParams as SP
     logits = _distinct_logits(6, 3001, torch.Generator().manual_seed(8), torch.bfloat16) * 0.125
     best = logits.float().argmax(-1).tolist()
@@ -169,14 +171,15 @@ def test_sampler_kernel_draw_applies_min_tokens_bans():
     meta = _metadata(params)
     assert meta.banned_ids is not None
     expected = Sampler().sample(logits, _metadata(params, "cpu")).token_ids
-    got = _sample_top_k_kernel(logits.to(DEVICE), meta, meta.row_keys).cpu()
+    got = draw_with_kernels(_draw_top_k, logits.to(DEVICE), meta, meta.row_keys).cpu()
     assert torch.equal(got, expected) and not (got == torch.tensor(best)).any()
 
 
 def test_sampler_kernel_draw_with_penalties_on_float32_logits():
     """Penalties leave float32 logits, which the kernels take with 32-bit keys: the torch path's
     tokens, and a penalty that moves a greedy row off its best token moves the kernels' too."""
-    from nanovllm.layers.sampler import Sampler, _sample_top_k_kernel
+    from nanovllm.layers.filter_kernels import _draw_top_k
+    from nanovllm.layers.sampler import Sampler, draw_with_kernels
     from nanovllm.sampling_params import SamplingParams as SP
     logits = _distinct_logits(8, 3001, torch.Generator().manual_seed(12), torch.bfloat16) * 0.125
     logits[:, 2] = logits.max() + 1  # the prompt's token 2 is every row's best, until penalised
@@ -186,5 +189,5 @@ def test_sampler_kernel_draw_with_penalties_on_float32_logits():
     meta = _metadata(params)
     assert meta.penalties is not None
     expected = Sampler().sample(logits, _metadata(params, "cpu")).token_ids
-    got = _sample_top_k_kernel(logits.to(DEVICE), meta, meta.row_keys).cpu()
+    got = draw_with_kernels(_draw_top_k, logits.to(DEVICE), meta, meta.row_keys).cpu()
     assert torch.equal(got, expected) and got[0] != 2 and got[4] != 2

@@ -72,26 +72,29 @@ def test_nucleus_and_ties():
 
 
 def test_sampler_picks_the_kernel_draw_for_its_filters():
-    from nanovllm.layers.sampler import _filter_kernel_draw, _sample_top_k_kernel, _sample_top_p_kernel
+    from nanovllm.layers.filter_kernels import _draw_split, _draw_top_k, _draw_top_p, filter_kernel_draw
     from nanovllm.sampling_params import SamplingParams as SP
-    pick = lambda params: _filter_kernel_draw(torch.bfloat16, _metadata(params))  # noqa: E731
-    assert pick([SP(top_p=0.9), SP(), SP(temperature=0.0)]) is _sample_top_p_kernel
-    assert pick([SP(top_k=20, top_p=0.9), SP(temperature=0.0)]) is _sample_top_k_kernel
+    pick = lambda params: filter_kernel_draw(torch.bfloat16, _metadata(params))  # noqa: E731
+    assert pick([SP(top_p=0.9), SP(), SP(temperature=0.0)]) is _draw_top_p
+    assert pick([SP(top_k=20, top_p=0.9), SP(temperature=0.0)]) is _draw_top_k
     assert pick([SP(top_k=500, top_p=0.9)]) is None  # top-k past the top-k kernel's bound
-    assert pick([SP(top_p=0.9), SP(top_k=20)]) is None  # a random row without top-k beside a top-k one
-    assert pick([SP(top_p=0.9, min_p=0.1)]) is _sample_top_p_kernel
-    assert pick([SP(min_p=0.1), SP()]) is _sample_top_p_kernel
-    assert pick([SP(top_k=5, min_p=0.1)]) is _sample_top_k_kernel
-    assert pick([SP(top_p=0.9, frequency_penalty=0.5)]) is _sample_top_p_kernel  # on the float32 logits
-    assert pick([SP(top_p=0.9, min_tokens=2, stop_token_ids=[3])]) is _sample_top_p_kernel
-    assert pick([SP(top_k=20, repetition_penalty=1.2)]) is _sample_top_k_kernel
+    assert pick([SP(top_p=0.9), SP(top_k=20)]) is _draw_split  # a random row without top-k beside a top-k one
+    assert pick([SP(), SP(top_k=20, min_p=0.2), SP(temperature=0.0)]) is _draw_split
+    assert pick([SP(), SP(top_k=200)]) is None
+    assert pick([SP(top_p=0.9, min_p=0.1)]) is _draw_top_p
+    assert pick([SP(min_p=0.1), SP()]) is _draw_top_p
+    assert pick([SP(top_k=5, min_p=0.1)]) is _draw_top_k
+    assert pick([SP(top_p=0.9, frequency_penalty=0.5)]) is _draw_top_p  # on the float32 logits
+    assert pick([SP(top_p=0.9, min_tokens=2, stop_token_ids=[3])]) is _draw_top_p
+    assert pick([SP(top_k=20, repetition_penalty=1.2)]) is _draw_top_k
     assert pick([SP(), SP(temperature=0.0)]) is None  # no filter: the plain draw
 
 
 def test_sampler_kernel_draw_equals_the_torch_path_on_a_mixed_batch():
     """Greedy rows, plain random rows and top-p rows in one batch, some with penalties or bans: the
     kernel's tokens (the other rows given top_p = 1) are the torch path's."""
-    from nanovllm.layers.sampler import Sampler, _sample_top_p_kernel
+    from nanovllm.layers.filter_kernels import _draw_top_p
+    from nanovllm.layers.sampler import Sampler, draw_with_kernels
     from nanovllm.sampling_params import SamplingParams as SP
     logits = _distinct_logits(18, 3001, torch.Generator().manual_seed(9), torch.bfloat16) * 0.125
     best = logits.float().argmax(-1).tolist()
@@ -107,5 +110,23 @@ def test_sampler_kernel_draw_equals_the_torch_path_on_a_mixed_batch():
     assert meta.filter_rows is not None and meta.penalties is not None and meta.banned_ids is not None
     assert meta.min_p_rows is not None
     expected = Sampler().sample(logits, _metadata(params, "cpu")).token_ids  # the torch path, on the CPU
-    got = _sample_top_p_kernel(logits.to(DEVICE), meta, meta.row_keys).cpu()
+    got = draw_with_kernels(_draw_top_p, logits.to(DEVICE), meta, meta.row_keys).cpu()
     assert torch.equal(got, expected) and got[10] != best[10] and got[13] != best[13]
+
+
+def test_split_draw_equals_the_torch_path():
+    """Rows with a top_k (and top-p, min-p, bans, penalties) beside plain, top-p and greedy rows:
+    the two kernels' tokens, each on its rows, are the torch path's."""
+    from nanovllm.layers.filter_kernels import _draw_split, filter_kernel_draw
+    from nanovllm.layers.sampler import Sampler, draw_with_kernels
+    from nanovllm.sampling_params import SamplingParams as SP
+    logits = _distinct_logits(12, 3001, torch.Generator().manual_seed(13), torch.bfloat16) * 0.125
+    params = [SP(temperature=0.8, top_k=30), SP(temperature=1.1), SP(temperature=0.0),
+              SP(temperature=0.9, top_p=0.7), SP(temperature=1.2, top_k=100, top_p=0.9, min_p=0.3),
+              SP(temperature=1.0, min_p=0.5)] * 2
+    params[7] = SP(temperature=0.9, top_p=0.8, presence_penalty=1.5, min_tokens=3, stop_token_ids=[5])
+    meta = _metadata(params)
+    assert filter_kernel_draw(torch.bfloat16, meta) is _draw_split
+    expected = Sampler().sample(logits, _metadata(params, "cpu")).token_ids
+    got = draw_with_kernels(_draw_split, logits.to(DEVICE), meta, meta.row_keys).cpu()
+    assert torch.equal(got, expected)
