@@ -99,7 +99,7 @@ def test_cuda_graph_sampling_identical_to_eager_fp32(model_factory):
     assert len(set(map(tuple, runs[False][0]))) > len(prompts) // 2  # seeds differ: so do the draws
 
 
-@pytest.mark.parametrize("filters", ["top_k", "top_p"])
+@pytest.mark.parametrize("filters", ["top_k", "top_p", "mixed"])
 def test_qwen3_06b_bf16_filter_kernels_draw_the_torch_paths_tokens(filters, tmp_path, monkeypatch):
     """Seeded top-k (+ top-p, + min-p) requests, or top-p requests beside plain random ones, with greedy ones,
     on bf16 logits: the sampler's kernels (kernels/sample_top_k.py, sample_top_p.py) give the
@@ -114,6 +114,9 @@ def test_qwen3_06b_bf16_filter_kernels_draw_the_torch_paths_tokens(filters, tmp_
     if filters == "top_k":
         params = [SamplingParams(temperature=0.0 if i % 4 == 3 else 0.9, top_k=(20, 50, 128)[i % 3],
                                  top_p=0.9 if i % 2 else 1.0, min_p=0.1 if i % 4 == 1 else 0.0, seed=i,
+                                 max_tokens=24, ignore_eos=True) for i in range(len(prompts))]
+    elif filters == "mixed":  # rows with a top_k beside random rows without one: the batch is split
+        params = [SamplingParams(temperature=0.9, top_k=40 if i % 2 else -1, top_p=0.9 if i % 3 else 1.0, seed=i,
                                  max_tokens=24, ignore_eos=True) for i in range(len(prompts))]
     else:
         params = [SamplingParams(temperature=0.0 if i % 4 == 3 else 0.9, top_p=(0.5, 0.9, 1.0)[i % 3], seed=i,
