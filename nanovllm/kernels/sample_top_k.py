@@ -32,7 +32,7 @@ from nanovllm.kernels.pdl import PDL_LAUNCH, pdl_prologue
 from nanovllm.kernels.sample import gumbel_max_scores
 
 MAX_TOP_K = 128
-MAX_CANDIDATES = 2048  # listed per row (a power of two: sorted in one program)
+MAX_CANDIDATES = 2048  # listed per row (a power of two: the lanes of one program in step 3)
 
 
 class TopKConfig(NamedTuple):
