@@ -130,3 +130,53 @@ def test_split_draw_equals_the_torch_path():
     expected = Sampler().sample(logits, _metadata(params, "cpu")).token_ids
     got = draw_with_kernels(_draw_split, logits.to(DEVICE), meta, meta.row_keys).cpu()
     assert torch.equal(got, expected)
+
+
+def test_random_batches_draw_the_torch_paths_tokens():
+    """Random batches of random sampling settings (greedy, temperature, top-k, top-p, min-p,
+    penalties, min_tokens bans), dtypes and vocabularies, on tie-free logits: whichever kernel draw
+    serves a batch gives the torch path's tokens."""
+    import random
+
+    from nanovllm.layers.filter_kernels import filter_kernel_draw
+    from nanovllm.layers.sampler import Sampler, draw_with_kernels, processed_logits
+    from nanovllm.sampling_params import SamplingParams as SP
+    rng = random.Random(0)
+    drawn = set()
+    for case in range(60):
+        vocab, rows = rng.choice([130, 257, 1000, 2500]), rng.randint(1, 6)
+        dtype = rng.choice([torch.bfloat16, torch.float16, torch.float32])
+        logits = _distinct_logits(rows, vocab, torch.Generator().manual_seed(case), dtype) * rng.choice([0.0625, 0.5])
+        params = []
+        for _ in range(rows):
+            kw = {"temperature": rng.choice([0.0, 0.3, 1.0, 1.5])}
+            if rng.random() < 0.5:
+                kw["top_k"] = rng.choice([1, 7, 50, 128])
+            if rng.random() < 0.5:
+                kw["top_p"] = rng.choice([0.05, 0.5, 0.9])
+            if rng.random() < 0.3:
+                kw["min_p"] = rng.choice([0.01, 0.2, 0.6])
+            if rng.random() < 0.2:
+                kw["repetition_penalty"] = 1.3
+            if rng.random() < 0.15:
+                kw.update(min_tokens=3, stop_token_ids=[rng.randrange(vocab)])
+            params.append(SP(**kw))
+        meta = _metadata(params)
+        draw = filter_kernel_draw(dtype, meta)
+        if draw is None:
+            continue
+        drawn.add(draw.__name__)
+        expected = Sampler().sample(logits, _metadata(params, "cpu")).token_ids
+        got = draw_with_kernels(draw, logits.to(DEVICE), meta, meta.row_keys).cpu()
+        if DEVICE != "cuda":
+            assert torch.equal(got, expected), (case, params)
+            continue
+        # Approximate logs on the GPU: a row may take a token whose score ties the best to ~1e-5.
+        cpu_meta = _metadata(params, "cpu")
+        temps = cpu_meta.temperatures
+        x = processed_logits(logits, cpu_meta) / torch.where(temps > 0, temps, 1.0)[:, None]
+        scores = x + _gumbel(cpu_meta.row_keys, torch.arange(vocab).expand(rows, vocab))
+        for row in (got != expected).nonzero().flatten().tolist():
+            a, b = scores[row, expected[row]].item(), scores[row, got[row]].item()
+            assert temps[row] > 0 and abs(a - b) <= 1e-5 * max(1.0, abs(a)), (case, row, a, b)
+    assert drawn == {"_draw_top_k", "_draw_top_p", "_draw_split"}
