@@ -68,6 +68,28 @@ def gumbel_max_scores(x, key, salt, cols, greedy, inv_t, FAST_LOG: tl.constexpr)
     return tl.where(greedy, x, x * inv_t + gumbel)
 
 
+@triton.jit
+def chunk_of_row(logits_ptr, stride_row, vocab_size, chunk):
+    """A (row, chunk) program's row, its chunk [lo, hi) of the vocabulary and the row's logits."""
+    row = tl.program_id(0)
+    lo = tl.program_id(1) * chunk
+    return row, lo, tl.minimum(lo + chunk, vocab_size), logits_ptr + row.to(tl.int64) * stride_row
+
+
+@triton.jit
+def keep_best(best, best_id, score, cols):
+    """Each lane's best (score, id) so far; strict: the first of equal scores stays, as in torch.argmax."""
+    better = score > best
+    return tl.where(better, score, best), tl.where(better, cols, best_id)
+
+
+@triton.jit
+def best_lane(best, best_id, vocab_size):
+    """The best (score, id) over the lanes; equal scores: the lowest id (torch.argmax's tie rule)."""
+    top = tl.max(best, axis=0)
+    return top, tl.min(tl.where(best == top, best_id, vocab_size), axis=0)
+
+
 @triton.jit(do_not_specialize=["chunk", "num_splits"])  # batch-dependent: one variant
 def _sample_split_kernel(logits_ptr, stride_row, temps_ptr, row_keys_ptr, seeds_ptr, offsets_ptr,
                          part_score_ptr, part_idx_ptr, vocab_size, chunk, num_splits,
@@ -100,13 +122,8 @@ def _sample_split_kernel(logits_ptr, stride_row, temps_ptr, row_keys_ptr, seeds_
         else:
             x = tl.load(base + cols, mask=mask, other=float("-inf")).to(tl.float32)
         score = gumbel_max_scores(x, key, salt, cols, greedy, inv_t, FAST_LOG)
-        score = tl.where(mask, score, float("-inf"))
-        better = score > best  # strict: the first of equal scores wins, as in torch.argmax
-        best = tl.where(better, score, best)
-        best_idx = tl.where(better, cols, best_idx)
-    top = tl.max(best, axis=0)
-    # Lowest index among the lanes holding the maximum (torch.argmax's tie rule).
-    idx = tl.min(tl.where(best == top, best_idx, vocab_size), axis=0)
+        best, best_idx = keep_best(best, best_idx, tl.where(mask, score, float("-inf")), cols)
+    top, idx = best_lane(best, best_idx, vocab_size)
     tl.store(part_score_ptr + row * num_splits + split, top)
     tl.store(part_idx_ptr + row * num_splits + split, idx)
 
@@ -119,9 +136,8 @@ def _sample_merge_kernel(part_score_ptr, part_idx_ptr, out_ptr, num_splits, voca
     mask = s < num_splits
     score = tl.load(part_score_ptr + row * num_splits + s, mask=mask, other=float("-inf"))
     idx = tl.load(part_idx_ptr + row * num_splits + s, mask=mask, other=vocab_size)
-    top = tl.max(score, axis=0)
     # Splits cover increasing token ranges: the lowest index among equal maxima wins.
-    tl.store(out_ptr + row, tl.min(tl.where(score == top, idx, vocab_size), axis=0).to(tl.int64))
+    tl.store(out_ptr + row, best_lane(score, idx, vocab_size)[1].to(tl.int64))
 
 
 _MAX_SPLITS = 64

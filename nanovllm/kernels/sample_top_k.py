@@ -29,7 +29,7 @@ import triton.language as tl
 
 from nanovllm.kernels.paged_decode import _device_sms
 from nanovllm.kernels.pdl import PDL_LAUNCH, pdl_prologue
-from nanovllm.kernels.sample import gumbel_max_scores
+from nanovllm.kernels.sample import chunk_of_row, gumbel_max_scores
 
 MAX_TOP_K = 128
 MAX_CANDIDATES = 2048  # listed per row (a power of two: the lanes of one program in step 3)
@@ -84,19 +84,11 @@ def _kth_largest(values, valid, k, LEAST: tl.constexpr, BITS: tl.constexpr):
     return lo.to(tl.int32)
 
 
-@triton.jit
-def _chunk_of_row(logits_ptr, stride_row, vocab_size, chunk):
-    """This program's row, its chunk [lo, hi) and the row's logits."""
-    row = tl.program_id(0)
-    lo = tl.program_id(1) * chunk
-    return row, lo, tl.minimum(lo + chunk, vocab_size), logits_ptr + row.to(tl.int64) * stride_row
-
-
 @triton.jit(do_not_specialize=["chunk"])
 def _bound_kernel(logits_ptr, stride_row, vocab_size, chunk, temps_ptr, top_k_ptr, counts_ptr, BLOCK: tl.constexpr,
                   LEAST_KEY: tl.constexpr, KEY_BITS: tl.constexpr):
     pdl_prologue()
-    row, lo, hi, base = _chunk_of_row(logits_ptr, stride_row, vocab_size, chunk)
+    row, lo, hi, base = chunk_of_row(logits_ptr, stride_row, vocab_size, chunk)
     offs = tl.arange(0, BLOCK)
     lane_max = tl.full([BLOCK], LEAST_KEY, tl.int32)  # a lane without logits bounds nothing
     for start in range(lo, hi, BLOCK):
@@ -111,7 +103,7 @@ def _bound_kernel(logits_ptr, stride_row, vocab_size, chunk, temps_ptr, top_k_pt
 def _compact_kernel(logits_ptr, stride_row, vocab_size, chunk, counts_ptr, cand_key_ptr, cand_id_ptr,
                     BLOCK: tl.constexpr, CAP: tl.constexpr):
     pdl_prologue()
-    row, lo, hi, base = _chunk_of_row(logits_ptr, stride_row, vocab_size, chunk)
+    row, lo, hi, base = chunk_of_row(logits_ptr, stride_row, vocab_size, chunk)
     offs = tl.arange(0, BLOCK)
     bound = tl.load(counts_ptr + row * 2)
     for start in range(lo, hi, BLOCK):

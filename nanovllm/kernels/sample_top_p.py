@@ -26,25 +26,13 @@ import triton
 import triton.language as tl
 
 from nanovllm.kernels.pdl import PDL_LAUNCH, pdl_prologue
-from nanovllm.kernels.sample import DEFAULT_SAMPLE_CONFIG, SampleConfig, _num_splits, gumbel_max_scores
+from nanovllm.kernels.sample import (DEFAULT_SAMPLE_CONFIG, SampleConfig, _num_splits, best_lane, chunk_of_row,
+                                     gumbel_max_scores, keep_best)
 
 
 @triton.jit
 def _no_best(BLOCK: tl.constexpr):
     return tl.full([BLOCK], float("-inf"), tl.float32), tl.zeros([BLOCK], tl.int32)
-
-
-@triton.jit
-def _keep_best(best, best_id, score, cols):
-    """Each lane's best (score, id) so far; strict: the first of equal scores stays."""
-    better = score > best
-    return tl.where(better, score, best), tl.where(better, cols, best_id)
-
-
-@triton.jit
-def _winner(best, best_id, vocab_size):
-    """The id of the best lane; equal scores: the lowest id, as torch.argmax."""
-    return tl.min(tl.where(best == tl.max(best, axis=0), best_id, vocab_size), axis=0)
 
 
 @triton.jit
@@ -57,11 +45,8 @@ def _ranked_before(x, cols, winner_x, winner):
 def _first_draw_kernel(logits_ptr, stride_row, vocab_size, chunk, num_chunks, temps_ptr, row_keys_ptr,
                        part_max_ptr, part_score_ptr, part_id_ptr, BLOCK: tl.constexpr, FAST_LOG: tl.constexpr):
     pdl_prologue()
-    row = tl.program_id(0)
+    row, lo, hi, base = chunk_of_row(logits_ptr, stride_row, vocab_size, chunk)
     part = row * num_chunks + tl.program_id(1)
-    lo = tl.program_id(1) * chunk
-    hi = tl.minimum(lo + chunk, vocab_size)
-    base = logits_ptr + row.to(tl.int64) * stride_row
     temp = tl.load(temps_ptr + row)
     greedy = temp <= 0.0
     temp = tl.where(greedy, 1.0, temp)
@@ -76,10 +61,11 @@ def _first_draw_kernel(logits_ptr, stride_row, vocab_size, chunk, num_chunks, te
         x = tl.load(base + cols, mask=mask, other=float("-inf")).to(tl.float32) / temp
         row_max = tl.maximum(row_max, x)
         score = tl.where(mask, gumbel_max_scores(x, key, key >> 7, cols, greedy, 1.0, FAST_LOG), float("-inf"))
-        best, best_id = _keep_best(best, best_id, score, cols)
+        best, best_id = keep_best(best, best_id, score, cols)
+    score, winner = best_lane(best, best_id, vocab_size)
     tl.store(part_max_ptr + part, tl.max(row_max, axis=0))
-    tl.store(part_score_ptr + part, tl.max(best, axis=0))
-    tl.store(part_id_ptr + part, _winner(best, best_id, vocab_size))
+    tl.store(part_score_ptr + part, score)
+    tl.store(part_id_ptr + part, winner)
 
 
 @triton.jit(do_not_specialize=["num_chunks"])
@@ -101,8 +87,8 @@ def _nucleus_kernel(logits_ptr, stride_row, vocab_size, num_chunks, temps_ptr, t
     parts = row * num_chunks + c
     in_row = c < num_chunks
     row_max = tl.max(tl.load(part_max_ptr + parts, mask=in_row, other=float("-inf")), axis=0)
-    winner = _winner(tl.load(part_score_ptr + parts, mask=in_row, other=float("-inf")),
-                     tl.load(part_id_ptr + parts, mask=in_row, other=vocab_size), vocab_size)
+    _, winner = best_lane(tl.load(part_score_ptr + parts, mask=in_row, other=float("-inf")),
+                          tl.load(part_id_ptr + parts, mask=in_row, other=vocab_size), vocab_size)
     # min-p (before top-p, vLLM's order): the draw is among x/T >= its largest + log(min_p) only.
     floor = row_max + tl.load(log_min_p_ptr + row) if HAS_MIN_P else float("-inf")
     done = greedy | ((top_p >= 1.0) & (tl.load(base + winner).to(tl.float32) / temp >= floor))
@@ -126,7 +112,7 @@ def _nucleus_kernel(logits_ptr, stride_row, vocab_size, num_chunks, temps_ptr, t
             before += tl.where(ahead, p, 0.0)
             if search:
                 score = gumbel_max_scores(x, key, key >> 7, cols, greedy, 1.0, FAST_LOG)
-                best, best_id = _keep_best(best, best_id, tl.where(ahead, score, float("-inf")), cols)
+                best, best_id = keep_best(best, best_id, tl.where(ahead, score, float("-inf")), cols)
         done = (winner_x >= floor) & ((top_p >= 1.0) | (tl.sum(before, axis=0) < top_p * tl.sum(total, axis=0)))
         if not done:
             if not search:  # the winner among the tokens ranked before this one, in a pass of its own
@@ -136,9 +122,9 @@ def _nucleus_kernel(logits_ptr, stride_row, vocab_size, num_chunks, temps_ptr, t
                     x = tl.load(base + cols, mask=mask, other=float("-inf")).to(tl.float32) / temp
                     score = gumbel_max_scores(x, key, key >> 7, cols, greedy, 1.0, FAST_LOG)
                     ahead = _ranked_before(x, cols, winner_x, winner) & mask & (x >= floor)
-                    best, best_id = _keep_best(best, best_id, tl.where(ahead, score, float("-inf")), cols)
+                    best, best_id = keep_best(best, best_id, tl.where(ahead, score, float("-inf")), cols)
                 search = True
-            winner = _winner(best, best_id, vocab_size)
+            _, winner = best_lane(best, best_id, vocab_size)
     tl.store(out_ptr + row, winner.to(tl.int64))
 
 

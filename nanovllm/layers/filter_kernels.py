@@ -86,6 +86,8 @@ def _draw_split(logits: torch.Tensor, meta: "SamplingMetadata", keys: torch.Tens
 def filter_kernel_draw(dtype: torch.dtype, meta: "SamplingMetadata"):
     """The kernels' draw, draw(logits, meta, row_keys) -> tokens, that serves the batch's filters on
     the GPU, or None (the torch path)."""
+    if meta.top_k is None and meta.top_p is None and meta.min_p is None:  # no filter: the plain draw
+        return None
     if top_k_kernel_serves(dtype, meta):
         return _draw_top_k
     if top_p_kernel_serves(dtype, meta):
