@@ -218,11 +218,12 @@ def main():
     # otherwise also drop the activation memory the engine keeps in the allocator.
     want = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
     bandwidth, flops = measure_device(torch.device(want))
+    engine_start = time.perf_counter()
     llm = LLM(path, enforce_eager=args.enforce_eager, max_model_len=args.max_model_len, load_format=load_format,
               device=args.device, dtype=args.dtype, tensor_parallel_size=args.tensor_parallel_size)
     device = llm.config.device
     print(f"num_kvcache_blocks={llm.config.num_kvcache_blocks} block_size={llm.config.kvcache_block_size} "
-          f"dtype={llm.config.torch_dtype} device={device}")
+          f"dtype={llm.config.torch_dtype} device={device} start-up={time.perf_counter() - engine_start:.1f}s")
 
     if args.single:
         random.seed(0)

@@ -18,8 +18,8 @@ busy. A logit's key is its bits reordered so that integer order is float order.
    (a tie longer than it, e.g. a row of equal logits) is rebuilt exactly by bisecting the key
    with counting passes over the row: slow, never wrong.
 
-The token is the one `_sample_top_k` draws, up to the order of equal logits and float rounding at
-the top-p boundary. Greedy rows (T = 0) take the first maximum, as torch.argmax.
+The token is the one `_sample_top_k` draws (its order of equal logits is this one: lowest id first),
+up to float rounding at the top-p boundary. Greedy rows (T = 0) take the first maximum, as torch.argmax.
 """
 from typing import NamedTuple
 

@@ -18,8 +18,8 @@ With min-p (applied before top-p, vLLM's order) N is also cut to the tokens with
 the largest x/T, and the search for the next candidate keeps to those. The top token always belongs
 to N, so the loop ends. Without min-p the first draw lands in N with probability mass(N) >= top_p,
 so most rows take the first draw and one more pass. Greedy rows take the first maximum, and rows
-with top_p = 1 (and no min-p) the plain draw, after the first draw. The token is the torch path's,
-up to the order of equal logits and float rounding at the nucleus's edge.
+with top_p = 1 (and no min-p) the plain draw, after the first draw. The token is the torch path's
+(which ranks equal logits by lowest id too), up to float rounding at the nucleus's edge.
 """
 import torch
 import triton

@@ -7,7 +7,9 @@ Every step below is row-wise, so filters and penalties keep that property.
 
 Order of operations (vLLM v1's): min_tokens bans and penalties on the raw logits, greedy argmax,
 temperature, min_p, top_k, top_p (on the distribution left by the previous filters), then the
-draw. Logprobs are those of the raw model distribution (vLLM's default "raw_logprobs").
+draw. top-k and top-p cut a ranking by logit where equal logits rank by lowest token id (bf16
+logits hold long runs of equal values), so a cut through such a run falls the same way on every
+path, torch or kernel, whatever else shares the batch. Logprobs are those of the raw model distribution (vLLM's default "raw_logprobs").
 
 Each optional stage runs only when a host-side field of the metadata says some row needs it, and
 only on those rows (`*_rows`, None meaning every row), so a batch that uses none pays nothing.
@@ -19,7 +21,7 @@ import torch
 from torch import nn
 
 from nanovllm.layers.filter_kernels import filter_kernel_draw
-from nanovllm.layers.penalties import PenaltyInputs, apply_penalties
+from nanovllm.layers.penalties import PenaltyInputs, apply_penalties_
 
 _M32 = 0xFFFFFFFF
 
@@ -186,23 +188,42 @@ def _min_p(x: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
 
 def _top_k_top_p(x: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None,
                  max_top_k: int) -> torch.Tensor:
-    """In place on x [F, V]. Ties with the k-th logit are kept, as in vLLM."""
+    """In place on x [F, V]. Tokens rank by logit, equal logits by lowest id (TOKEN ORDER): top-k
+    keeps exactly the k first, top-p the shortest prefix reaching p, so that ties at either cut
+    fall the same way on every path (the kernels' order) whatever the batch."""
     vocab_size = x.shape[-1]
     if top_p is None:  # top-k alone: a partial top-k instead of a full sort
-        width = min(max_top_k, vocab_size)
-        kth = x.topk(width, dim=-1).values.gather(1, top_k.clamp(max=width)[:, None] - 1)
-        return x.masked_fill_(x < kth, float("-inf"))
-    srt, idx = x.sort(dim=-1, descending=True)
+        vals, ids = _top_candidates(x, min(max_top_k, vocab_size))
+        rank = torch.arange(vals.shape[-1], device=x.device)
+        kept = vals.masked_fill(rank[None, :] >= top_k[:, None], float("-inf"))
+        return x.fill_(float("-inf")).scatter_(1, ids, kept)
+    srt, idx = x.sort(dim=-1, descending=True, stable=True)
     if top_k is not None:
-        k = torch.where(top_k > 0, top_k, vocab_size).clamp(max=vocab_size)
-        srt.masked_fill_(srt < srt.gather(1, k[:, None] - 1), float("-inf"))
+        k = torch.where(top_k > 0, top_k, vocab_size)
+        srt.masked_fill_(torch.arange(vocab_size, device=x.device)[None, :] >= k[:, None], float("-inf"))
     probs = srt.softmax(dim=-1)
-    before = probs.cumsum(dim=-1).sub_(probs)  # mass of the more likely tokens
+    before = probs.cumsum(dim=-1).sub_(probs)  # mass of the tokens ranked before
     # Keep the smallest prefix reaching p; the top token always stays (before = 0 < p). Rows with
     # p = 1 are excluded outright, so cumsum rounding cannot touch their tail.
     drop = (before >= top_p[:, None]) & (top_p < 1.0)[:, None]
     srt.masked_fill_(drop, float("-inf"))
     return x.scatter_(1, idx, srt)
+
+
+def _top_candidates(x: torch.Tensor, width: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The first `width` tokens of each row of x [F, V] in token order (see `_top_k_top_p`): their
+    logits, descending, and ids. torch.topk finds the values; which of several equal logits at its
+    cut it returns, and in what order, is unspecified, so the ids are taken again by that order."""
+    kth = x.topk(width, dim=-1).values[:, -1:]
+    above = x > kth
+    equal = x == kth
+    taken = above | (equal & (equal.cumsum(dim=-1) <= width - above.sum(dim=-1, keepdim=True)))
+    # Exactly `width` taken per row: their ids in ascending order, the others into a spare column.
+    slot = torch.where(taken, taken.cumsum(dim=-1) - 1, width)
+    ids = torch.arange(x.shape[-1], device=x.device).expand_as(x)
+    ids = x.new_empty(x.shape[0], width + 1, dtype=torch.int64).scatter_(1, slot, ids)[:, :width]
+    vals, order = x.gather(1, ids).sort(dim=-1, descending=True, stable=True)
+    return vals, ids.gather(1, order)
 
 
 def _gumbel(keys: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
@@ -214,8 +235,8 @@ def _gumbel(keys: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
 def _sample_top_k(x: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor | None, max_top_k: int,
                   keys: torch.Tensor) -> torch.Tensor:
     """Draw from rows that all have top_k > 0: top-k, then top-p over the renormalised top k, then
-    the draw, on [F, max_top_k] candidates instead of the vocabulary."""
-    vals, idx = x.topk(min(max_top_k, x.shape[-1]), dim=-1)  # sorted, best first
+    the draw, on [F, max_top_k] candidates instead of the vocabulary (in token order)."""
+    vals, idx = _top_candidates(x, min(max_top_k, x.shape[-1]))
     rank = torch.arange(vals.shape[-1], device=x.device)
     vals = vals.masked_fill(rank[None, :] >= top_k[:, None], float("-inf"))
     if top_p is not None:
@@ -237,8 +258,8 @@ def processed_logits(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tens
     """min_tokens bans and penalties, in float32: the logits that greedy rows take the argmax of.
     Returns logits itself (no copy) when they are float32 and the batch uses neither."""
     x = _banned(logits.float(), meta)
-    if meta.penalties is not None:
-        x = apply_penalties(x, meta.penalties)
+    if meta.penalties is not None:  # in place where x is already a copy (of 16-bit logits, or by the bans)
+        x = apply_penalties_(x if x is not logits else x.clone(), meta.penalties)
     return x
 
 

@@ -110,7 +110,7 @@ def test_qwen3_06b_bf16_filter_kernels_draw_the_torch_paths_tokens(filters, tmp_
     shutil.copy(QWEN3_06B, tmp_path / "config.json")
     kwargs = dict(load_format="dummy", dtype="bfloat16", max_model_len=2048, max_num_seqs=16,
                   gpu_memory_utilization=0.3)
-    prompts = make_prompts(8, lengths=(10, 100, 300))
+    prompts = make_prompts(8, lengths=(10, 100, 300, 40, 200, 70, 150, 500))
     if filters == "top_k":
         params = [SamplingParams(temperature=0.0 if i % 4 == 3 else 0.9, top_k=(20, 50, 128)[i % 3],
                                  top_p=0.9 if i % 2 else 1.0, min_p=0.1 if i % 4 == 1 else 0.0, seed=i,

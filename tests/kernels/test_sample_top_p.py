@@ -132,10 +132,13 @@ def test_split_draw_equals_the_torch_path():
     assert torch.equal(got, expected)
 
 
-def test_random_batches_draw_the_torch_paths_tokens():
+@pytest.mark.parametrize("ties", [False, True], ids=["distinct", "tied"])
+def test_random_batches_draw_the_torch_paths_tokens(ties):
     """Random batches of random sampling settings (greedy, temperature, top-k, top-p, min-p,
-    penalties, min_tokens bans), dtypes and vocabularies, on tie-free logits: whichever kernel draw
-    serves a batch gives the torch path's tokens."""
+    penalties, min_tokens bans), dtypes and vocabularies: whichever kernel draw serves a batch gives
+    the torch path's tokens. Tied: a dozen distinct logits per row (a flat bf16 distribution's runs
+    of equal values), so equal logits straddle the top-k and top-p cuts: both paths order them by
+    lowest id."""
     import random
 
     from nanovllm.layers.filter_kernels import filter_kernel_draw
@@ -143,10 +146,14 @@ def test_random_batches_draw_the_torch_paths_tokens():
     from nanovllm.sampling_params import SamplingParams as SP
     rng = random.Random(0)
     drawn = set()
-    for case in range(60):
+    for case in range(40 if ties else 60):
         vocab, rows = rng.choice([130, 257, 1000, 2500]), rng.randint(1, 6)
         dtype = rng.choice([torch.bfloat16, torch.float16, torch.float32])
-        logits = _distinct_logits(rows, vocab, torch.Generator().manual_seed(case), dtype) * rng.choice([0.0625, 0.5])
+        gen = torch.Generator().manual_seed(case)
+        if ties:
+            logits = (torch.randint(-6, 6, (rows, vocab), generator=gen) * rng.choice([0.25, 0.5])).to(dtype)
+        else:
+            logits = _distinct_logits(rows, vocab, gen, dtype) * rng.choice([0.0625, 0.5])
         params = []
         for _ in range(rows):
             kw = {"temperature": rng.choice([0.0, 0.3, 1.0, 1.5])}

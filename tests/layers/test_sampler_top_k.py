@@ -5,10 +5,14 @@ import torch
 from nanovllm.layers.sampler import _gumbel, _noise_bits, _sample_top_k, _top_k_top_p, exponential_noise, row_keys
 
 
-def test_candidate_draw_equals_full_vocabulary_draw():
+@pytest.mark.parametrize("ties", [False, True], ids=["distinct", "tied"])
+def test_candidate_draw_equals_full_vocabulary_draw(ties):
+    """The candidate draw (batches whose rows all have a top_k) and the full sort (the others) keep
+    the same tokens, also where runs of equal logits straddle the top-k or top-p cut: a request's
+    tokens do not depend on which path its batch takes."""
     g = torch.Generator().manual_seed(0)
     rows, vocab = 64, 1000
-    x = torch.randn(rows, vocab, generator=g) * 3
+    x = torch.randint(-8, 8, (rows, vocab), generator=g) * 0.25 if ties else torch.randn(rows, vocab, generator=g) * 3
     top_k = torch.randint(1, 60, (rows,), generator=g)
     top_p = torch.rand(rows, generator=g) * 0.9 + 0.1
     top_p[::4] = 1.0
