@@ -212,16 +212,17 @@ def _top_k_top_p(x: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tenso
 
 def _top_candidates(x: torch.Tensor, width: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The first `width` tokens of each row of x [F, V] in token order (see `_top_k_top_p`): their
-    logits, descending, and ids. torch.topk finds the values; which of several equal logits at its
-    cut it returns, and in what order, is unspecified, so the ids are taken again by that order."""
-    kth = x.topk(width, dim=-1).values[:, -1:]
-    above = x > kth
-    equal = x == kth
-    taken = above | (equal & (equal.cumsum(dim=-1) <= width - above.sum(dim=-1, keepdim=True)))
-    # Exactly `width` taken per row: their ids in ascending order, the others into a spare column.
-    slot = torch.where(taken, taken.cumsum(dim=-1) - 1, width)
-    ids = torch.arange(x.shape[-1], device=x.device).expand_as(x)
-    ids = x.new_empty(x.shape[0], width + 1, dtype=torch.int64).scatter_(1, slot, ids)[:, :width]
+    logits, descending, and ids. torch.topk finds the values; which of several logits equal to the
+    last one it returns, and in what order, is unspecified, so those ids are taken again, lowest
+    first."""
+    vals, ids = x.topk(width, dim=-1)  # the ones above the last value come first
+    kth = vals[:, -1:]
+    num_above = (vals > kth).sum(dim=-1, keepdim=True)
+    vocab = torch.arange(x.shape[-1], dtype=torch.int32, device=x.device)
+    lowest_equal = torch.where(x == kth, vocab, x.shape[-1]).topk(width, dim=-1, largest=False).values
+    j = torch.arange(width, device=x.device)
+    ids = torch.where(j < num_above, ids, lowest_equal.gather(1, (j - num_above).clamp_(min=0)).long())
+    ids = ids.sort(dim=-1).values
     vals, order = x.gather(1, ids).sort(dim=-1, descending=True, stable=True)
     return vals, ids.gather(1, order)
 

@@ -65,3 +65,17 @@ def test_gpu_candidate_noise_and_draw_equal_the_cpu_and_the_kernel():
         differ = (tokens != on_cpu).nonzero().flatten()
         gaps = (scores[differ, on_cpu[differ]] - scores[differ, tokens[differ]]).abs()
         assert len(differ) <= 2 and bool((gaps < 1e-4).all()), (differ, gaps)
+
+
+def test_top_candidates_are_a_stable_sorts_first():
+    """The first `width` of a descending stable sort (equal logits: lowest id first), with runs of
+    equal logits across the cut, rows of one value and -inf."""
+    from nanovllm.layers.sampler import _top_candidates
+    g = torch.Generator().manual_seed(3)
+    x = torch.randint(-3, 3, (6, 50), generator=g).float()
+    x[1] = 0.5
+    x[2, 10:] = float("-inf")
+    for width in (1, 7, 20, 50):
+        vals, ids = _top_candidates(x, width)
+        ref_vals, ref_ids = x.sort(dim=-1, descending=True, stable=True)
+        assert torch.equal(vals, ref_vals[:, :width]) and torch.equal(ids, ref_ids[:, :width]), width
