@@ -9,7 +9,8 @@ Order of operations (vLLM v1's): min_tokens bans and penalties on the raw logits
 temperature, min_p, top_k, top_p (on the distribution left by the previous filters), then the
 draw. top-k and top-p cut a ranking by logit where equal logits rank by lowest token id (bf16
 logits hold long runs of equal values), so a cut through such a run falls the same way on every
-path, torch or kernel, whatever else shares the batch. Logprobs are those of the raw model distribution (vLLM's default "raw_logprobs").
+path, torch or kernel, whatever else shares the batch. Logprobs are those of the raw model
+distribution (vLLM's default "raw_logprobs").
 
 Each optional stage runs only when a host-side field of the metadata says some row needs it, and
 only on those rows (`*_rows`, None meaning every row), so a batch that uses none pays nothing.

@@ -180,8 +180,8 @@ class PenaltyHistories:
         self.arrays = [output, output_lens, self.pending_dst, self.pending_src]
         self.uses_repetition = bool((self.repetition != 1.0).any())
         if self.uses_repetition:
-            prompt_lens = starts
-            self.arrays += [np.concatenate([t[:n] for t, n in zip(settled, starts)]), prompt_lens, self.repetition]
+            prompts = np.concatenate([t[:n] for t, n in zip(settled, starts)])
+            self.arrays += [prompts, starts, self.repetition]  # the prompts' lengths are their starts
         if self.frequency.any():
             self.arrays.append(self.frequency)
         if self.presence.any():
