@@ -4,6 +4,7 @@ the default configuration and others) and, for scale, the plain sampling pass; t
 (`_top_k_top_p`'s full sort, then the draw) against `kernels/sample_top_p.py`.
 
     python scripts/bench_sample_top_k.py      (GPU machine; STAGES=sampletopk bash scripts/gpu_check.sh)
+    python scripts/bench_sample_top_k.py --wide   (top_k 200 and 1,000 with top_p 0.9 only)
 
 bf16 logits, temperature 0.6, top_k 50, top_p 0.9 on every row (the benchmark's `--top-k 50 --top-p
 0.9`). Each call reads logits the previous one did not touch (copies beyond the L2 cache). Prints us
@@ -66,11 +67,11 @@ def _batch(batch: int, **filters):
     return copies, logits, build_sampling_metadata(seqs, torch.device("cuda"), frozenset(), VOCAB)
 
 
-def main():
+def main(k: int = 50, variants=VARIANTS):
     sampler = Sampler()
     for batch in (1, 16, 64, 128, 256):
-        copies, logits, meta = _batch(batch, top_k=50, top_p=0.9)
-        top_k = torch.full((batch,), 50, device="cuda")
+        copies, logits, meta = _batch(batch, top_k=k, top_p=0.9)
+        top_k = torch.full((batch,), k, device="cuda")
         top_p = torch.full((batch,), 0.9, device="cuda")
         out = torch.empty(batch, dtype=torch.int64, device="cuda")
 
@@ -84,7 +85,7 @@ def main():
 
         def fused():
             for x in logits:
-                sample_top_k_rows(x, meta.temperatures, top_k, top_p, meta.row_keys, 50, out=out)
+                sample_top_k_rows(x, meta.temperatures, top_k, top_p, meta.row_keys, k, out=out)
 
         def plain():
             for x in logits:
@@ -96,14 +97,14 @@ def main():
         t_plain = triton.testing.do_bench_cudagraph(plain, rep=50) * 1e3 / copies
         with _kernels_off():
             expected = sampler.sample(logits[0], meta).token_ids
-        got = sample_top_k_rows(logits[0], meta.temperatures, top_k, top_p, meta.row_keys, 50)
-        print(f"B={batch:3d}: torch path {t_torch:7.1f} us, kernels {t_fused:6.1f} us (graph; {t_sampler:6.1f} us "
+        got = sample_top_k_rows(logits[0], meta.temperatures, top_k, top_p, meta.row_keys, k)
+        print(f"k={k}, B={batch:3d}: torch path {t_torch:7.1f} us, kernels {t_fused:6.1f} us (graph; {t_sampler:6.1f} us "
               f"eager through Sampler.sample), plain draw {t_plain:6.1f} us; rows drawing unlike the torch path: "
               f"{(got != expected).sum().item()}/{batch}", flush=True)
-        for config in VARIANTS:
+        for config in variants:
             def variant():
                 for x in logits:
-                    sample_top_k_rows(x, meta.temperatures, top_k, top_p, meta.row_keys, 50, out=out, config=config)
+                    sample_top_k_rows(x, meta.temperatures, top_k, top_p, meta.row_keys, k, out=out, config=config)
             us = triton.testing.do_bench_cudagraph(variant, rep=50) * 1e3 / copies
             print(f"         {tuple(config)}: {us:6.1f} us (default {tuple(DEFAULT_TOP_K_CONFIG)})", flush=True)
 
@@ -139,5 +140,9 @@ def main_top_p():
 
 
 if __name__ == "__main__":
-    main()
-    main_top_p()
+    if "--wide" in sys.argv:  # only top_k past 128 (the finish ranks the nucleus by bisection)
+        for k in (200, 1000):
+            main(k, variants=[])
+    else:
+        main()
+        main_top_p()

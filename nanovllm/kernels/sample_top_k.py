@@ -4,7 +4,9 @@ On the H200 the torch path of such draws (`nanovllm.layers.sampler._sample_top_k
 the logits, `torch.topk` over the vocabulary, a dozen small ops) costs ~1 ms per decode step at 1-256
 rows (BENCHMARKS.md). Here each row is read twice in its own dtype (16-bit, or float32 where
 penalties made float32 logits), cut into chunks so that even one row keeps the GPU's memory system
-busy. A logit's key is its bits reordered so that integer order is float order.
+busy. A logit's key is its bits reordered so that integer order is float order. Past k = 128 the
+programs read with wider lanes (at least 4k: k lane maxima still bound the row tightly) and the
+finish ranks its candidates for top-p by bisection rather than pairwise.
 
 1. Bound: each chunk keeps, per lane, the largest key the lane reads; the k-th largest of those lane
    maxima is k distinct logits of the row, so the row's k-th largest is at or above it. The row's
@@ -31,7 +33,8 @@ from nanovllm.kernels.paged_decode import _device_sms
 from nanovllm.kernels.pdl import PDL_LAUNCH, pdl_prologue
 from nanovllm.kernels.sample import chunk_of_row, gumbel_max_scores
 
-MAX_TOP_K = 128
+MAX_TOP_K = 1024
+PAIRWISE_MAX_K = 128  # up to this k the finish ranks its candidates by comparing every pair, past it by bisection
 MAX_CANDIDATES = 2048  # listed per row (a power of two: the lanes of one program in step 3)
 
 
@@ -161,10 +164,41 @@ def _list_exactly_k(base, vocab_size, k, bound, cand_key, cand_id, BLOCK: tl.con
 
 
 @triton.jit
+def _nucleus(v, ids, p, valid, top_p, ID_BITS: tl.constexpr):
+    """The valid lanes the top-p prefix keeps (mass ranked before them < top_p, inf: all; ranked by v,
+    equal v by lowest id), found by bisection instead of pairwise comparisons: the lowest key t of v whose
+    strictly larger values hold less than top_p, then among the lanes at t the highest id bound."""
+    bits = v.to(tl.int32, bitcast=True)
+    key = tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits)  # `_ordered_keys` of float32
+    lo = tl.full([], -(1 << 31) - 1, tl.int64)  # everything lies above lo: mass >= top_p
+    hi = tl.full([], (1 << 31) - 1, tl.int64)   # nothing lies above hi: mass 0 < top_p
+    for _ in range(32):
+        mid = lo + (hi - lo) // 2
+        light = tl.sum(tl.where(valid & (key > mid), p, 0.0), axis=0) < top_p
+        hi = tl.where(light, mid, hi)
+        lo = tl.where(light, lo, mid)
+    above = tl.sum(tl.where(valid & (key > hi), p, 0.0), axis=0)
+    tied = valid & (key == hi)
+    last_id = tl.full([], 1 << ID_BITS, tl.int64)  # one lane at t: it is kept
+    if tl.sum(tied.to(tl.int32), axis=0) > 1:
+        # The largest b with above + (mass of the tied ids below b) < top_p: ids up to b stay.
+        lo_id = tl.full([], 0, tl.int64)
+        hi_id = tl.full([], (1 << ID_BITS) + 1, tl.int64)
+        for _ in range(ID_BITS + 1):
+            mid = (lo_id + hi_id) // 2
+            light = above + tl.sum(tl.where(tied & (ids < mid), p, 0.0), axis=0) < top_p
+            lo_id = tl.where(light, mid, lo_id)
+            hi_id = tl.where(light, hi_id, mid)
+        last_id = lo_id
+    return valid & ((key > hi) | (tied & (ids <= last_id)))
+
+
+@triton.jit
 def _finish_kernel(logits_ptr, stride_row, vocab_size, temps_ptr, top_k_ptr, top_p_ptr, log_min_p_ptr, row_keys_ptr,
                    counts_ptr, cand_key_ptr, cand_id_ptr, out_ptr, BLOCK: tl.constexpr, CAP: tl.constexpr,
                    MAX_K: tl.constexpr, ID_BITS: tl.constexpr, LEAST_KEY: tl.constexpr, KEY_BITS: tl.constexpr,
-                   HAS_TOP_P: tl.constexpr, HAS_MIN_P: tl.constexpr, FAST_LOG: tl.constexpr):
+                   HAS_TOP_P: tl.constexpr, HAS_MIN_P: tl.constexpr, FAST_LOG: tl.constexpr,
+                   BISECT_TOP_P: tl.constexpr):
     pdl_prologue()
     row = tl.program_id(0)
     base = logits_ptr + row.to(tl.int64) * stride_row
@@ -211,10 +245,14 @@ def _finish_kernel(logits_ptr, stride_row, vocab_size, temps_ptr, top_k_ptr, top
     if HAS_TOP_P:  # the smallest prefix (by logit, then lowest id) whose softmax reaches top_p
         p = tl.exp(v - tl.max(v, axis=0))
         p = p / tl.sum(p, axis=0)
-        ahead = (v[None, :] > v[:, None]) | ((v[None, :] == v[:, None]) & (ids[None, :] < ids[:, None]))
-        before = tl.sum(tl.where(ahead, p[None, :], 0.0), axis=1)
         top_p = tl.load(top_p_ptr + row)
-        keep = keep & (before < tl.where(top_p >= 1.0, float("inf"), top_p))
+        top_p = tl.where(top_p >= 1.0, float("inf"), top_p)
+        if BISECT_TOP_P:  # too many lanes to compare every pair
+            keep = _nucleus(v, ids, p, keep, top_p, ID_BITS)
+        else:
+            ahead = (v[None, :] > v[:, None]) | ((v[None, :] == v[:, None]) & (ids[None, :] < ids[:, None]))
+            before = tl.sum(tl.where(ahead, p[None, :], 0.0), axis=1)
+            keep = keep & (before < top_p)
 
     # The draw among the kept (greedy rows: the single candidate); equal scores: the lowest id.
     seed_key = tl.load(row_keys_ptr + row).to(tl.uint32)
@@ -224,11 +262,13 @@ def _finish_kernel(logits_ptr, stride_row, vocab_size, temps_ptr, top_k_ptr, top
     tl.store(out_ptr + row, tl.min(tl.where(score == best, ids, vocab_size), axis=0).to(tl.int64))
 
 
-def _num_chunks(batch: int, vocab_size: int, max_top_k: int, device: torch.device, config: TopKConfig) -> int:
+def _num_chunks(batch: int, vocab_size: int, max_top_k: int, device: torch.device, programs_per_sm: int,
+                block: int) -> int:
     """~programs_per_sm programs per SM, but no chunk shorter than two tiles, and few enough that the
-    list keeps well under MAX_CANDIDATES (about chunks x k keys reach the bound)."""
-    return max(1, min(triton.cdiv(config.programs_per_sm * _device_sms(device), batch),
-                      triton.cdiv(vocab_size, 2 * config.block), MAX_CANDIDATES // (2 * max_top_k)))
+    list keeps well under MAX_CANDIDATES (about chunks x k keys reach the bound while k is at most a
+    quarter of the lanes)."""
+    return max(1, min(triton.cdiv(programs_per_sm * _device_sms(device), batch),
+                      triton.cdiv(vocab_size, 2 * block), MAX_CANDIDATES // (2 * max_top_k)))
 
 
 def sample_top_k_rows(logits: torch.Tensor, temperatures: torch.Tensor, top_k: torch.Tensor,
@@ -249,9 +289,13 @@ def sample_top_k_rows(logits: torch.Tensor, temperatures: torch.Tensor, top_k: t
     if batch == 0:
         return out
     config = config or DEFAULT_TOP_K_CONFIG
-    assert config.block >= MAX_TOP_K  # step 1 needs k lanes
-    chunks = _num_chunks(batch, vocab_size, max_top_k, logits.device, config)
-    chunk = triton.cdiv(triton.cdiv(vocab_size, chunks), config.block) * config.block
+    wide = max_top_k > PAIRWISE_MAX_K
+    block = config.block
+    if wide:  # lanes enough that k of their maxima bound the row tightly (see _num_chunks)
+        block = max(block, min(4096, triton.next_power_of_2(4 * max_top_k)))
+    assert block >= max_top_k  # step 1 needs k lanes
+    chunks = _num_chunks(batch, vocab_size, max_top_k, logits.device, config.programs_per_sm, block)
+    chunk = triton.cdiv(triton.cdiv(vocab_size, chunks), block) * block
     chunks = triton.cdiv(vocab_size, chunk)
     least_key, key_bits = _key_range(logits.dtype)
     counts = torch.zeros(batch, 2, dtype=torch.int32, device=logits.device)  # bound, number listed
@@ -264,12 +308,12 @@ def sample_top_k_rows(logits: torch.Tensor, temperatures: torch.Tensor, top_k: t
     row = (logits, logits.stride(0), vocab_size)
     launch = dict(num_warps=config.num_warps, **PDL_LAUNCH)
     keys_of = dict(LEAST_KEY=least_key, KEY_BITS=key_bits)
-    _bound_kernel[(batch, chunks)](*row, chunk, temperatures, top_k, counts, BLOCK=config.block, **keys_of, **launch)
-    _compact_kernel[(batch, chunks)](*row, chunk, counts, cand_key, cand_id, BLOCK=config.block, CAP=MAX_CANDIDATES,
-                                     **launch)
+    _bound_kernel[(batch, chunks)](*row, chunk, temperatures, top_k, counts, BLOCK=block, **keys_of, **launch)
+    _compact_kernel[(batch, chunks)](*row, chunk, counts, cand_key, cand_id, BLOCK=block, CAP=MAX_CANDIDATES, **launch)
     _finish_kernel[(batch,)](*row, temperatures, top_k, top_p if top_p is not None else temperatures,
                              log_min_p if log_min_p is not None else temperatures, row_keys, counts, cand_key, cand_id,
-                             out, BLOCK=config.block, CAP=MAX_CANDIDATES, MAX_K=MAX_TOP_K,
+                             out, BLOCK=block, CAP=MAX_CANDIDATES, MAX_K=MAX_TOP_K if wide else PAIRWISE_MAX_K,
                              ID_BITS=max(1, (vocab_size - 1).bit_length()), **keys_of, HAS_TOP_P=top_p is not None,
-                             HAS_MIN_P=log_min_p is not None, FAST_LOG=fast_log, num_warps=4, **PDL_LAUNCH)
+                             HAS_MIN_P=log_min_p is not None, FAST_LOG=fast_log, BISECT_TOP_P=wide,
+                             num_warps=8 if wide else 4, **PDL_LAUNCH)  # 1,024 lanes: 4 warps would spill
     return out

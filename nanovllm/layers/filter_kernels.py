@@ -1,6 +1,6 @@
 """Which Triton kernels draw a batch whose rows use sampling filters (top-k, top-p, min-p), on
 the GPU: `filter_kernel_draw` picks a draw for the batch, or None for the sampler's torch path
-(top_k above the kernels' 128). Each draw takes the logits as the sampler leaves them after
+(top_k above the kernels' 1,024). Each draw takes the logits as the sampler leaves them after
 min_tokens bans and penalties (float32 where penalties ran) and returns the tokens of the torch
 path (kernels/sample_top_k.py and sample_top_p.py say up to what). Greedy rows come along in
 every draw.

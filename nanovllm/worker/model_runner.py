@@ -227,13 +227,14 @@ class ModelRunner:
         torch.cuda.synchronize(self.device)
 
     # The eager sampler's paths use kernels the plain draw does not: the filters' Triton kernels (their
-    # common variants: top-k, with top-p, with min-p, on the float32 logits penalties leave; top-p; min-p),
-    # torch ops for top_k past the kernels' 128, penalties, logprobs, min_tokens bans. CUDA loads (Triton
-    # compiles) each on its first call (~0.2 s for a top-p batch, measured in bench.py's timed run), which
-    # would otherwise land in a request's step.
+    # common variants: top-k, with top-p, with min-p, on the float32 logits penalties leave; top-p; min-p;
+    # top_k past 128, which ranks the nucleus by bisection), torch ops for top_k past the kernels' 1,024,
+    # penalties, logprobs, min_tokens bans. CUDA loads (Triton compiles) each on its first call (~0.2 s
+    # for a top-p batch, measured in bench.py's timed run), which would otherwise land in a request's step.
     _WARM_SAMPLING = ({"top_k": 50}, {"top_k": 50, "top_p": 0.9}, {"top_p": 0.9}, {"min_p": 0.1},
                       {"top_k": 40, "top_p": 0.95, "min_p": 0.05},
                       {"top_k": 20, "top_p": 0.8, "repetition_penalty": 1.05}, {"top_k": 200, "top_p": 0.9},
+                      {"top_k": 2000},
                       {"repetition_penalty": 1.1, "presence_penalty": 0.5, "frequency_penalty": 0.5},
                       {"logprobs": 5}, {"min_tokens": 4, "stop_token_ids": [1]})
 

@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from nanovllm.kernels.sample_top_k import MAX_TOP_K, TopKConfig, sample_top_k_rows
+from nanovllm.kernels.sample_top_k import MAX_TOP_K, PAIRWISE_MAX_K, TopKConfig, sample_top_k_rows
 from nanovllm.layers.sampler import _gumbel, _sample_top_k, row_keys
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -32,17 +32,22 @@ def _reference(logits, temps, top_k, top_p, keys):
 CONFIGS = [None, TopKConfig(64, 128, 4)]
 
 
+# The finish ranks candidates pairwise up to PAIRWISE_MAX_K, by bisection past it (wider lanes, fewer chunks).
+MAX_KS = [PAIRWISE_MAX_K, MAX_TOP_K]
+
+
+@pytest.mark.parametrize("max_top_k", MAX_KS, ids=["pairwise", "wide"])
 @pytest.mark.parametrize("config", CONFIGS, ids=["default", "split"])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("vocab", [300, 3001])
-def test_draws_the_torch_samplers_tokens(dtype, vocab, config):
+def test_draws_the_torch_samplers_tokens(dtype, vocab, config, max_top_k):
     gen = torch.Generator().manual_seed(vocab)
     rows = 24
     logits = _distinct_logits(rows, vocab, gen, dtype)
     temps = torch.rand(rows, generator=gen) + 0.3
     temps[::5] = 0.0
-    top_k = torch.randint(1, MAX_TOP_K + 1, (rows,), generator=gen)
-    top_k[1], top_k[2] = 1, MAX_TOP_K
+    top_k = torch.randint(1, max_top_k + 1, (rows,), generator=gen)
+    top_k[1], top_k[2] = 1, max_top_k
     top_p = torch.rand(rows, generator=gen) * 0.9 + 0.1
     top_p[::3] = 1.0
     if config is not None:
@@ -50,7 +55,7 @@ def test_draws_the_torch_samplers_tokens(dtype, vocab, config):
     keys = row_keys(torch.randint(0, 2**62, (rows,), generator=gen), torch.randint(0, 900, (rows,), generator=gen))
     expected = _reference(logits, temps, top_k, top_p, keys)
     dev = [None if t is None else t.to(DEVICE) for t in (logits, temps, top_k, top_p, keys)]
-    got = sample_top_k_rows(*dev, config=config).cpu()
+    got = sample_top_k_rows(*dev, max_top_k=max_top_k, config=config).cpu()
     if DEVICE != "cuda":
         assert torch.equal(got, expected)
         return
@@ -63,8 +68,9 @@ def test_draws_the_torch_samplers_tokens(dtype, vocab, config):
         assert temps[row] > 0 and abs(a - b) <= 1e-5 * max(1.0, abs(a)), (row, a, b)
 
 
+@pytest.mark.parametrize("max_top_k", MAX_KS, ids=["pairwise", "wide"])
 @pytest.mark.parametrize("config", CONFIGS, ids=["default", "split"])
-def test_ties_at_the_kth_logit_take_the_lowest_ids(config):
+def test_ties_at_the_kth_logit_take_the_lowest_ids(config, max_top_k):
     """Logits 3, 2, 2, 2, 1, ...: with k = 2 the candidates are token 0 and token 1 (the first of the
     tied), so every draw is one of those two; all-equal logits (a tie longer than MAX_CANDIDATES)
     draw among the first k ids, as does a tie of 60 at the end of the row."""
@@ -73,16 +79,17 @@ def test_ties_at_the_kth_logit_take_the_lowest_ids(config):
     logits[:, 0], logits[:, 1:4] = 3.0, 2.0
     keys = row_keys(torch.arange(rows), torch.zeros(rows, dtype=torch.int64))
     args = (torch.full((rows,), 4.0), torch.full((rows,), 2), torch.ones(rows), keys)
-    got = sample_top_k_rows(logits.half().to(DEVICE), *(t.to(DEVICE) for t in args), config=config).cpu()
+    got = sample_top_k_rows(logits.half().to(DEVICE), *(t.to(DEVICE) for t in args), max_top_k=max_top_k, config=config).cpu()
     assert set(got.tolist()) == {0, 1}
     flat = torch.zeros(rows, 3000, dtype=torch.float16, device=DEVICE)  # a tie longer than the kernels' list
     args = (torch.ones(rows), torch.full((rows,), 7), torch.ones(rows), keys)
-    got = sample_top_k_rows(flat, *(t.to(DEVICE) for t in args), config=config).cpu()
+    got = sample_top_k_rows(flat, *(t.to(DEVICE) for t in args), max_top_k=max_top_k, config=config).cpu()
     assert set(got.tolist()) == set(range(7))
     tail = torch.zeros(rows, vocab, dtype=torch.float16)
     tail[:, :5], tail[:, -60:] = 2.0, 1.0
     args = (torch.ones(rows), torch.full((rows,), 9), torch.ones(rows), keys)
-    got = sample_top_k_rows(tail.to(DEVICE), *(t.to(DEVICE) for t in args), config=config).cpu()
+    got = sample_top_k_rows(tail.to(DEVICE), *(t.to(DEVICE) for t in args), max_top_k=max_top_k,
+                            config=config).cpu()
     drawn = set(got.tolist())
     assert drawn <= set(range(5)) | set(range(vocab - 60, vocab - 56)) and drawn & set(range(vocab - 60, vocab))
 
@@ -103,10 +110,11 @@ def check_top_p_prefix(draw):
         assert got[0] == 5 and set(got.tolist()) == allowed, (top_p, set(got.tolist()))
 
 
-def test_top_p_keeps_the_smallest_prefix_reaching_p():
+@pytest.mark.parametrize("max_top_k", MAX_KS, ids=["pairwise", "wide"])
+def test_top_p_keeps_the_smallest_prefix_reaching_p(max_top_k):
     """With k = 3, the three tokens of `check_top_p_prefix` are the candidates."""
     check_top_p_prefix(lambda logits, temps, top_p, keys: sample_top_k_rows(
-        logits, temps, torch.full_like(keys, 3), top_p, keys))
+        logits, temps, torch.full_like(keys, 3), top_p, keys, max_top_k))
 
 
 def _metadata(params, device=DEVICE):

@@ -77,10 +77,12 @@ def test_sampler_picks_the_kernel_draw_for_its_filters():
     pick = lambda params: filter_kernel_draw(torch.bfloat16, _metadata(params))  # noqa: E731
     assert pick([SP(top_p=0.9), SP(), SP(temperature=0.0)]) is _draw_top_p
     assert pick([SP(top_k=20, top_p=0.9), SP(temperature=0.0)]) is _draw_top_k
-    assert pick([SP(top_k=500, top_p=0.9)]) is None  # top-k past the top-k kernel's bound
+    assert pick([SP(top_k=500, top_p=0.9)]) is _draw_top_k  # top-p ranked by bisection past k = 128
+    assert pick([SP(top_k=2000, top_p=0.9)]) is None  # top-k past the top-k kernels' bound
     assert pick([SP(top_p=0.9), SP(top_k=20)]) is _draw_split  # a random row without top-k beside a top-k one
     assert pick([SP(), SP(top_k=20, min_p=0.2), SP(temperature=0.0)]) is _draw_split
-    assert pick([SP(), SP(top_k=200)]) is None
+    assert pick([SP(), SP(top_k=200)]) is _draw_split
+    assert pick([SP(), SP(top_k=2000)]) is None
     assert pick([SP(top_p=0.9, min_p=0.1)]) is _draw_top_p
     assert pick([SP(min_p=0.1), SP()]) is _draw_top_p
     assert pick([SP(top_k=5, min_p=0.1)]) is _draw_top_k
@@ -158,7 +160,7 @@ def test_random_batches_draw_the_torch_paths_tokens(ties):
         for _ in range(rows):
             kw = {"temperature": rng.choice([0.0, 0.3, 1.0, 1.5])}
             if rng.random() < 0.5:
-                kw["top_k"] = rng.choice([1, 7, 50, 128])
+                kw["top_k"] = rng.choice([1, 7, 50, 128, 300, 1000])
             if rng.random() < 0.5:
                 kw["top_p"] = rng.choice([0.05, 0.5, 0.9])
             if rng.random() < 0.3:
