@@ -36,10 +36,10 @@ CONFIGS = [None, TopKConfig(64, 128, 4)]
 MAX_KS = [PAIRWISE_MAX_K, MAX_TOP_K]
 
 
-@pytest.mark.parametrize("max_top_k", MAX_KS, ids=["pairwise", "wide"])
 @pytest.mark.parametrize("config", CONFIGS, ids=["default", "split"])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
-@pytest.mark.parametrize("vocab", [300, 3001])
+@pytest.mark.parametrize("vocab, max_top_k", [(300, PAIRWISE_MAX_K), (3001, PAIRWISE_MAX_K), (3001, MAX_TOP_K)],
+                         ids=["300-pairwise", "3001-pairwise", "3001-wide"])
 def test_draws_the_torch_samplers_tokens(dtype, vocab, config, max_top_k):
     gen = torch.Generator().manual_seed(vocab)
     rows = 24
