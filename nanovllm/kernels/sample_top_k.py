@@ -168,8 +168,7 @@ def _nucleus(v, ids, p, valid, top_p, ID_BITS: tl.constexpr):
     """The valid lanes the top-p prefix keeps (mass ranked before them < top_p, inf: all; ranked by v,
     equal v by lowest id), found by bisection instead of pairwise comparisons: the lowest key t of v whose
     strictly larger values hold less than top_p, then among the lanes at t the highest id bound."""
-    bits = v.to(tl.int32, bitcast=True)
-    key = tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits)  # `_ordered_keys` of float32
+    key = _ordered_keys(v)  # v is float32: keys over the whole int32 range
     lo = tl.full([], -(1 << 31) - 1, tl.int64)  # everything lies above lo: mass >= top_p
     hi = tl.full([], (1 << 31) - 1, tl.int64)   # nothing lies above hi: mass 0 < top_p
     for _ in range(32):
