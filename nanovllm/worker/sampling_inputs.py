@@ -163,9 +163,9 @@ class PenaltyHistories:
 
     def __init__(self, seqs: list[Sequence], last_row_of_seq: dict[int, int] | None):
         params = [s.sampling_params for s in seqs]
-        self.repetition = np.asarray([p.repetition_penalty for p in params], dtype=np.float32)
-        self.frequency = np.asarray([p.frequency_penalty for p in params], dtype=np.float32)
-        self.presence = np.asarray([p.presence_penalty for p in params], dtype=np.float32)
+        repetition = np.asarray([p.repetition_penalty for p in params], dtype=np.float32)
+        frequency = np.asarray([p.frequency_penalty for p in params], dtype=np.float32)
+        presence = np.asarray([p.presence_penalty for p in params], dtype=np.float32)
         settled = [settled_tokens(s) for s in seqs]
         pending = np.asarray([getattr(s, "num_pending_tokens", 0) for s in seqs], dtype=np.int64)
         starts = np.asarray([s.num_prompt_tokens for s in seqs], dtype=np.int64)
@@ -175,33 +175,35 @@ class PenaltyHistories:
         for tokens, start, end, n in zip(settled, starts, ends, output_lens):
             output[end - n:end - n + len(tokens) - start] = tokens[start:]
         in_flight = pending.nonzero()[0]
-        self.pending_dst = ends[in_flight] - 1
-        self.pending_src = np.asarray([last_row_of_seq[seqs[i].seq_id] for i in in_flight], dtype=np.int64)
-        self.arrays = [output, output_lens, self.pending_dst, self.pending_src]
-        self.uses_repetition = bool((self.repetition != 1.0).any())
-        if self.uses_repetition:
+        self.num_pending = len(in_flight)
+        pending_src = np.asarray([last_row_of_seq[seqs[i].seq_id] for i in in_flight], dtype=np.int64)
+        self.arrays = [output, output_lens, ends[in_flight] - 1, pending_src]
+        # The penalties some row uses, in the order their arrays follow those four.
+        self.penalties = []
+        if (repetition != 1.0).any():
             prompts = np.concatenate([t[:n] for t, n in zip(settled, starts)])
-            self.arrays += [prompts, starts, self.repetition]  # the prompts' lengths are their starts
-        if self.frequency.any():
-            self.arrays.append(self.frequency)
-        if self.presence.any():
-            self.arrays.append(self.presence)
+            self.arrays += [prompts, starts, repetition]  # the prompts' lengths are their starts
+            self.penalties.append("repetition")
+        for name, values in (("frequency", frequency), ("presence", presence)):
+            if values.any():
+                self.arrays.append(values)
+                self.penalties.append(name)
 
     def inputs(self, on_device: list[torch.Tensor], rows: torch.Tensor | None,
                last_sampled: torch.Tensor | None) -> PenaltyInputs:
         """on_device: `arrays` on the device, in order."""
         output, output_lens, dst, src, *rest = on_device
         output = output.long()
-        if len(self.pending_dst):
+        if self.num_pending:
             output.index_copy_(0, dst, last_sampled[src])
         inputs = PenaltyInputs(rows, output, _row_of_each(output_lens, output.shape[0]), None, None, None, None, None)
-        if self.uses_repetition:
-            prompt, prompt_lens, inputs.repetition, *rest = rest
-            inputs.prompt_tokens, inputs.prompt_rows = prompt.long(), _row_of_each(prompt_lens, prompt.shape[0])
-        if self.frequency.any():
-            inputs.frequency, *rest = rest
-        if self.presence.any():
-            inputs.presence, *rest = rest
+        for name in self.penalties:
+            if name == "repetition":
+                prompt, prompt_lens, inputs.repetition, *rest = rest
+                inputs.prompt_tokens, inputs.prompt_rows = prompt.long(), _row_of_each(prompt_lens, prompt.shape[0])
+            else:
+                values, *rest = rest
+                setattr(inputs, name, values)
         return inputs
 
 
