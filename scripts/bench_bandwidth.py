@@ -7,9 +7,14 @@ attention only reads, so its real ceiling is the read bandwidth. Measures, on on
   read-rows   the paged-KV pattern: 256-byte rows (one head of one token) at a 2 KB stride, as decode
               attention reads a token-major cache [blocks, block_size, kv_heads=8, 128]
   read-tma    the same rows through tensor descriptors (TMA), where this Triton has them
+  --l2        instead: the rate at which programs re-read [64, 128] bf16 tiles of a buffer that fits in L2
+              through tensor descriptors, as the decode GEMMs re-read their operands (each activation
+              tile once per output-column tile, each weight tile once per row tile)
 
-    python scripts/bench_bandwidth.py     (GPU)
+    python scripts/bench_bandwidth.py [--l2]     (GPU)
 """
+import sys
+
 import torch
 import triton
 import triton.language as tl
@@ -50,6 +55,52 @@ def _read_rows_tma_kernel(desc, out_ptr, rows_per_prog, ROWS: tl.constexpr, D: t
     for off in tl.range(0, rows_per_prog, ROWS):
         acc += desc.load([row0 + off, head * D]).to(tl.float32)
     tl.store(out_ptr + head * tl.num_programs(1) + chunk, tl.sum(tl.sum(acc, 1), 0))
+
+
+@triton.jit
+def _reread_kernel(tile_desc, out_ptr, tiles_per_prog, num_tiles, ROWS: tl.constexpr, COLS: tl.constexpr,
+                   STAGES: tl.constexpr):
+    # Program pid reads tiles_per_prog consecutive tiles of the [num_tiles * ROWS, COLS] buffer, the
+    # programs one after another (wrapping): with many more tile reads than tiles, all but the first
+    # come from L2; with more tiles than reads (the 1 GB buffer), every read comes from HBM.
+    start = (tl.program_id(0) * tiles_per_prog) % (num_tiles - tiles_per_prog + 1)
+    acc = tl.zeros([ROWS, COLS], tl.float32)
+    for i in tl.range(0, tiles_per_prog, num_stages=STAGES):
+        acc += tile_desc.load([(start + i) * ROWS, 0]).to(tl.float32)
+    tl.store(out_ptr + tl.program_id(0), tl.sum(tl.sum(acc, 1), 0))
+
+
+def l2_main():
+    from triton.tools.tensor_descriptor import TensorDescriptor
+    dev = "cuda"
+    print(torch.cuda.get_device_name(), "torch", torch.__version__, "triton", triton.__version__)
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    rows, cols = 64, 128
+    tile_bytes = rows * cols * 2
+    for mbytes in (1, 4, 16, 32, 64, 1024):
+        num_tiles = (mbytes << 20) // tile_bytes
+        buf = torch.randn(num_tiles * rows, cols, dtype=torch.bfloat16, device=dev)
+        desc = TensorDescriptor.from_tensor(buf, [rows, cols])
+        for progs_per_sm, stages in ((1, 4), (2, 4), (1, 8)):
+            progs = sms * progs_per_sm
+            tiles_per_prog = min(num_tiles, 64)
+            out = torch.empty(progs, dtype=torch.float32, device=dev)
+
+            def fn():
+                _reread_kernel[(progs,)](desc, out, tiles_per_prog, num_tiles, ROWS=rows, COLS=cols,
+                                         STAGES=stages, num_warps=4, num_stages=stages)
+            fn()
+            torch.cuda.synchronize()
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            reps = 20
+            start.record()
+            for _ in range(reps):
+                fn()
+            end.record()
+            torch.cuda.synchronize()
+            ms = start.elapsed_time(end) / reps
+            print(f"re-read {mbytes:5d} MB buffer, {progs_per_sm} program(s)/SM, {stages} stages: "
+                  f"{_tbps(progs * tiles_per_prog * tile_bytes, ms):.2f} TB/s ({ms * 1e3:.0f} us per launch)")
 
 
 def _tbps(nbytes, ms):
@@ -113,4 +164,4 @@ def main():
 
 
 if __name__ == "__main__":
-    main()
+    l2_main() if "--l2" in sys.argv[1:] else main()
