@@ -176,6 +176,8 @@ def main():
     ap.add_argument("--max-input-len", type=int, default=1024)
     ap.add_argument("--max-output-len", type=int, default=1024)
     ap.add_argument("--max-model-len", type=int, default=4096)
+    ap.add_argument("--gpu-memory-utilization", type=float, default=None,
+                    help="the engine's share of GPU memory (Config's default: 0.9); the KV cache gets what is left")
     ap.add_argument("--single", action="store_true", help="one request: 128-token prompt, 512 new tokens")
     ap.add_argument("--enforce-eager", action="store_true")
     ap.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
@@ -219,8 +221,9 @@ def main():
     want = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
     bandwidth, flops = measure_device(torch.device(want))
     engine_start = time.perf_counter()
+    memory = {} if args.gpu_memory_utilization is None else {"gpu_memory_utilization": args.gpu_memory_utilization}
     llm = LLM(path, enforce_eager=args.enforce_eager, max_model_len=args.max_model_len, load_format=load_format,
-              device=args.device, dtype=args.dtype, tensor_parallel_size=args.tensor_parallel_size)
+              device=args.device, dtype=args.dtype, tensor_parallel_size=args.tensor_parallel_size, **memory)
     device = llm.config.device
     print(f"num_kvcache_blocks={llm.config.num_kvcache_blocks} block_size={llm.config.kvcache_block_size} "
           f"dtype={llm.config.torch_dtype} device={device} start-up={time.perf_counter() - engine_start:.1f}s")
