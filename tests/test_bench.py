@@ -46,6 +46,13 @@ def test_bench_runs_and_reports_host_stages(tmp_path):
     assert all("wall" in line and "execute (all)" in line for line in stages)
 
 
+def test_bench_passes_gpu_memory_utilization_to_the_engine(tmp_path):
+    proc = subprocess.run(
+        [sys.executable, "bench.py", "--config", str(_tiny_config(tmp_path)), "--device", "cpu",
+         "--gpu-memory-utilization", "1.5"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode != 0 and "gpu_memory_utilization must be in (0, 1], got 1.5" in proc.stderr
+
+
 FAKE_SMI = """#!{python}
 import datetime, sys, time
 while True:  # what `nvidia-smi --query-gpu=timestamp,clocks.sm,clocks.mem,power.draw,temperature.gpu --loop-ms=10` prints
