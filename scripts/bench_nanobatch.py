@@ -12,7 +12,7 @@ random-weight Qwen3-0.6B, CUDA graphs of one step's forward + LM head captured a
              at P persistent programs (one wave): with P at or below the SM count a program holds
              one SM's attention and leaves room beside it for the other half's GEMMs
 
-    python scripts/bench_nanobatch.py [--batch 256 192 128] [--reps 30] [--balanced 100,132,264]   (GPU)
+    python scripts/bench_nanobatch.py [--batch 256 192 128] [--reps 30] [--balanced 100,132,264] [--warm-steps 20]   (GPU)
 """
 import argparse
 import ctypes
@@ -88,6 +88,8 @@ def main():
     ap.add_argument("--batch", type=int, nargs="+", default=[256, 192, 128])
     ap.add_argument("--reps", type=int, default=30)
     ap.add_argument("--balanced", default="", help="comma-separated program counts P: also the *-balP variants")
+    ap.add_argument("--warm-steps", type=int, default=20,
+                    help="decode steps before timing: ~900 gives the long contexts of the run's 16-63-sequence tail")
     args = ap.parse_args()
     llm = random_weight_llm()
     engine = llm.engine
@@ -97,7 +99,7 @@ def main():
     side = torch.cuda.Stream(priority=-1)
     for batch in args.batch:
         start_decode_batch(engine, batch, rng)
-        for _ in range(20):
+        for _ in range(args.warm_steps):
             engine.step()
         torch.cuda.synchronize()
         bs, h = batch, batch // 2
@@ -121,6 +123,7 @@ def main():
                 backend.balanced_max_batch = 1 << 30
 
         m_all, m_a, m_b = meta(0, bs), meta(0, h), meta(h, bs)
+        print(f"batch {bs}: mean context {m_all.seq_lens.float().mean().item():.0f} tokens")
 
         def layers(lo, hi, m, x=None, residual=None, first=0, last=None):
             if x is None:

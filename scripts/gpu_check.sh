@@ -14,7 +14,8 @@
 # prefillprofile (device time and top kernels of each of the benchmark's prefill steps), sample (the sampling pass at decode batch sizes),
 # sampletopk (the top-k/top-p and top-p draws: the torch path against kernels/sample_top_k.py and sample_top_p.py),
 # splits (decode attention at every split count, 4-80 sequences), nanobatch (two half-batches on two streams, also with
-# the balanced attention at 100/132/264 programs), replay (engine step against its CUDA graphs replayed back to back),
+# the balanced attention at 100/132/264 programs), nanobatchtail (the same at 16-96 sequences with the long contexts
+# of the run's tail), ablate (a decode step with one kind of kernel deleted: ceilings for fusions), replay (engine step against its CUDA graphs replayed back to back),
 # barrier (dependent projections as kernels vs one persistent kernel with grid barriers), prefilltiles (prefill
 # attention tiles, K/V by pointers and through TMA), lmhead (the LM head and the sampling draw in one kernel vs cuBLAS +
 # the sampling pass), green (decode attention and the other half-batch's GEMMs on disjoint SMs through CUDA green
@@ -59,6 +60,8 @@ for stage in $STAGES; do
     sampletopk) run sampletopk python3 scripts/bench_sample_top_k.py ;;
     splits)  run splits python3 scripts/tune_decode.py --splits 4,8,12,16,20,24,28,32,40,48,56,64,80 ;;
     nanobatch) run nanobatch python3 scripts/bench_nanobatch.py --batch 256 128 --balanced 100,132,264 ;;
+    nanobatchtail) run nanobatchtail python3 scripts/bench_nanobatch.py --batch 96 64 48 32 16 --warm-steps 900 --balanced 132,264 ;;
+    ablate)  run ablate python3 scripts/ablate_step.py ;;
     replay)  run replay python3 scripts/profile_step.py --batch 256 128 64 32 8 1 --replay ;;
     barrier) run barrier python3 scripts/bench_grid_barrier.py --rows 16
              run barrier64 python3 scripts/bench_grid_barrier.py --rows 64 ;;
