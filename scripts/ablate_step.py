@@ -27,7 +27,7 @@ import random
 import torch
 import triton
 
-from steady_decode import end_decode_batch, random_weight_llm, start_decode_batch  # (puts the repo on sys.path)
+from steady_decode import end_decode_batch, random_weight_llm, start_decode_batch, time_interleaved  # (puts the repo on sys.path)
 import nanovllm.kernels.paged_decode as paged_decode
 from nanovllm.kernels.pdl import PDL_LAUNCH, pdl_prologue
 from nanovllm.layers.layernorm import RMSNorm
@@ -120,17 +120,7 @@ def main():
                         step()
                     graphs[kind] = g
             torch.cuda.synchronize()
-            times = {k: [] for k in kinds}
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            for _ in range(5):
-                for kind, g in graphs.items():
-                    g.replay()
-                    start.record()
-                    for _ in range(args.reps):
-                        g.replay()
-                    end.record()
-                    end.synchronize()
-                    times[kind].append(start.elapsed_time(end) / args.reps)
+            times = time_interleaved({kind: g.replay for kind, g in graphs.items()}, args.reps)
         full = sorted(times["full"])[2]
         for kind in kinds:
             t = sorted(times[kind])[2]

@@ -21,7 +21,8 @@ import random
 
 import torch
 
-from steady_decode import decode_slices, end_decode_batch, random_weight_llm, start_decode_batch  # (puts the repo on sys.path)
+from steady_decode import (decode_slices, end_decode_batch, random_weight_llm, start_decode_batch,  # (puts the repo on sys.path)
+                           time_interleaved)
 from nanovllm.kernels.paged_decode_balanced import alloc_balanced_workspace
 
 _cu = ctypes.CDLL("libcuda.so.1")
@@ -180,17 +181,7 @@ def main():
                         print("kernel nodes:", seen)
                 variants[name] = (g, Exec(g.raw_cuda_graph(), _NODE_PRIORITY_FLAG if prio else 0))
             torch.cuda.synchronize()
-            times = {k: [] for k in variants}
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            for _ in range(5):
-                for name, (_, ex) in variants.items():
-                    ex.launch()
-                    start.record()
-                    for _ in range(args.reps):
-                        ex.launch()
-                    end.record()
-                    end.synchronize()
-                    times[name].append(start.elapsed_time(end) / args.reps)
+            times = time_interleaved({name: ex.launch for name, (_, ex) in variants.items()}, args.reps)
             base = sorted(times["single"])[2]
             print(f"\n===== batch {batch} (halves of {h}); median of 5 x {args.reps} launches, ms per step")
             for name, ts in times.items():

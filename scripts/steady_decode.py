@@ -51,3 +51,21 @@ def end_decode_batch(engine, batch: int):
     for i in range(batch):
         engine.abort_request(f"{batch}-{i}")
     engine.drain()
+
+
+def time_interleaved(launchers: dict, reps: int, rounds: int = 5) -> dict[str, list[float]]:
+    """ms per launch of each variant: `rounds` rounds of `reps` back-to-back launches (after one
+    untimed launch), the variants interleaved round by round so that clock drift hits them alike."""
+    import torch
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    times = {name: [] for name in launchers}
+    for _ in range(rounds):
+        for name, launch in launchers.items():
+            launch()
+            start.record()
+            for _ in range(reps):
+                launch()
+            end.record()
+            end.synchronize()
+            times[name].append(start.elapsed_time(end) / reps)
+    return times
