@@ -18,6 +18,7 @@ import argparse
 import ctypes
 import os
 import random
+from statistics import median
 
 import torch
 
@@ -182,10 +183,10 @@ def main():
                 variants[name] = (g, Exec(g.raw_cuda_graph(), _NODE_PRIORITY_FLAG if prio else 0))
             torch.cuda.synchronize()
             times = time_interleaved({name: ex.launch for name, (_, ex) in variants.items()}, args.reps)
-            base = sorted(times["single"])[2]
+            base = median(times["single"])
             print(f"\n===== batch {batch} (halves of {h}); median of 5 x {args.reps} launches, ms per step")
             for name, ts in times.items():
-                t = sorted(ts)[2]
+                t = median(ts)
                 print(f"  {name:12s} {t:7.3f} ms  ({base / t:5.3f}x single)   runs {', '.join(f'{x:.3f}' for x in ts)}")
         del variants
         end_decode_batch(engine, batch)
