@@ -13,8 +13,13 @@ stores an fp32 partial), with the weights rotating over copies that exceed L2, a
   kernels+pre    the same, weights loaded before the wait (GemmConfig.preload's idea)
   persistent     one launch for all R stages, a grid barrier between stages
   persistent+pre the same, each stage's weights loaded before the barrier that precedes it
+  persistent+ld  persistent+pre, the barrier polled with plain acquire loads (`ld.acquire.gpu`)
+                 instead of atomic read-modify-writes, which serialise on the counter's L2 slice
 
-    python scripts/bench_grid_barrier.py [--rounds 112] [--rows 16]   (GPU; all programs must be resident)
+With --sync-only, the synchronisation alone: R empty kernels chained by PDL in a CUDA graph against
+one kernel passing R grid barriers (atomic or acquire-load polling), at 132 and 264 programs.
+
+    python scripts/bench_grid_barrier.py [--rounds 112] [--rows 16] [--sync-only]   (GPU; all programs must be resident)
 """
 import argparse
 import os
@@ -68,8 +73,16 @@ def _stage_kernel(w_ptr, a_ptr, out_ptr, r, COPIES: tl.constexpr, PRE: tl.conste
 
 
 @triton.jit
+def _load_acquire(ptr):
+    """One acquire load at GPU scope: a poll that does not occupy the counter's L2 slice the way an
+    atomic read-modify-write does (every program spins on the same word)."""
+    return tl.inline_asm_elementwise("ld.global.acquire.gpu.b32 $0, [$1];", "=r,l", [ptr], dtype=tl.int32,
+                                     is_pure=False, pack=1)
+
+
+@triton.jit
 def _persistent_kernel(w_ptr, a_ptr, out_ptr, counter_ptr, ROUNDS: tl.constexpr, COPIES: tl.constexpr,
-                       PRE: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, KS: tl.constexpr,
+                       PRE: tl.constexpr, POLL_LOAD: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, KS: tl.constexpr,
                        N: tl.constexpr, K: tl.constexpr):
     p = tl.program_id(0)
     programs = tl.num_programs(0)
@@ -86,11 +99,55 @@ def _persistent_kernel(w_ptr, a_ptr, out_ptr, counter_ptr, ROUNDS: tl.constexpr,
         tl.debug_barrier()
         tl.atomic_add(counter_ptr, 1, sem="release")
         target = (r + 1) * programs
-        seen = tl.atomic_add(counter_ptr, 0, sem="acquire")
-        while seen < target:
+        if POLL_LOAD:
+            seen = _load_acquire(counter_ptr)
+            while seen < target:
+                seen = _load_acquire(counter_ptr)
+        else:
             seen = tl.atomic_add(counter_ptr, 0, sem="acquire")
+            while seen < target:
+                seen = tl.atomic_add(counter_ptr, 0, sem="acquire")
         if not PRE:
             w = _load_w(w_ptr, (r + 1) % COPIES, n0, k0, BN, KS, N, K)
+
+
+@triton.jit
+def _empty_kernel(counter_ptr):
+    pdl_prologue()
+
+
+@triton.jit
+def _barriers_kernel(counter_ptr, ROUNDS: tl.constexpr, POLL_LOAD: tl.constexpr):
+    programs = tl.num_programs(0)
+    pdl_prologue()
+    for r in range(ROUNDS):
+        tl.debug_barrier()
+        tl.atomic_add(counter_ptr, 1, sem="release")
+        target = (r + 1) * programs
+        if POLL_LOAD:
+            seen = _load_acquire(counter_ptr)
+            while seen < target:
+                seen = _load_acquire(counter_ptr)
+        else:
+            seen = tl.atomic_add(counter_ptr, 0, sem="acquire")
+            while seen < target:
+                seen = tl.atomic_add(counter_ptr, 0, sem="acquire")
+
+
+def sync_only(rounds: int):
+    counter = torch.zeros(1, dtype=torch.int32, device="cuda")
+    print(f"{rounds} synchronisations with no work, us each:")
+    for programs in (132, 264):
+        for name, fn in (
+                ("empty kernels (PDL)", lambda: [_empty_kernel[(programs,)](counter, **PDL_LAUNCH) for _ in range(rounds)]),
+                ("grid barrier, atomic poll", lambda: (counter.zero_(), _barriers_kernel[(programs,)](
+                    counter, ROUNDS=rounds, POLL_LOAD=False, **PDL_LAUNCH))),
+                ("grid barrier, acquire-load poll", lambda: (counter.zero_(), _barriers_kernel[(programs,)](
+                    counter, ROUNDS=rounds, POLL_LOAD=True, **PDL_LAUNCH)))):
+            fn()
+            torch.cuda.synchronize()
+            us = triton.testing.do_bench_cudagraph(fn, rep=50, return_mode="median") * 1e3
+            print(f"  {programs} programs  {name:32s} {us / rounds:6.2f} us", flush=True)
 
 
 def run_kernels(ws, a, out, rounds, pre, rows):
@@ -99,9 +156,9 @@ def run_kernels(ws, a, out, rounds, pre, rows):
                                                 N=N, K=K, num_warps=4, **PDL_LAUNCH)
 
 
-def run_persistent(ws, a, out, counter, rounds, pre, rows):
+def run_persistent(ws, a, out, counter, rounds, pre, rows, poll_load=False):
     counter.zero_()
-    _persistent_kernel[(PROGRAMS,)](ws, a, out, counter, ROUNDS=rounds, COPIES=COPIES, PRE=pre,
+    _persistent_kernel[(PROGRAMS,)](ws, a, out, counter, ROUNDS=rounds, COPIES=COPIES, PRE=pre, POLL_LOAD=poll_load,
                                                   BM=rows, BN=BN, KS=KS, N=N, K=K, num_warps=4, **PDL_LAUNCH)
 
 
@@ -109,7 +166,10 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--rounds", type=int, default=112, help="dependent stages (28 layers x 4 projections)")
     ap.add_argument("--rows", type=int, default=16, help="decode rows (BM; 16 or more for tl.dot)")
+    ap.add_argument("--sync-only", action="store_true", help="time kernel boundaries and grid barriers alone")
     args = ap.parse_args()
+    if args.sync_only:
+        return sync_only(args.rounds)
     dev = torch.device("cuda")
     assert PROGRAMS <= torch.cuda.get_device_properties(dev).multi_processor_count, "one program per SM"
     ws = torch.randn(COPIES, N, K, dtype=torch.bfloat16, device=dev) * 0.02
@@ -123,7 +183,9 @@ def main():
     for name, fn in (("kernels", lambda: run_kernels(ws, a, out, args.rounds, False, args.rows)),
                      ("kernels+pre", lambda: run_kernels(ws, a, out, args.rounds, True, args.rows)),
                      ("persistent", lambda: run_persistent(ws, a, out, counter, args.rounds, False, args.rows)),
-                     ("persistent+pre", lambda: run_persistent(ws, a, out, counter, args.rounds, True, args.rows))):
+                     ("persistent+pre", lambda: run_persistent(ws, a, out, counter, args.rounds, True, args.rows)),
+                     ("persistent+ld", lambda: run_persistent(ws, a, out, counter, args.rounds, True, args.rows,
+                                                              poll_load=True))):
         fn()
         torch.cuda.synchronize()
         got = out[(args.rounds - 1) % 2].sum(0)
