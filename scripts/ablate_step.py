@@ -17,7 +17,7 @@ as the engine replays it, and the same step with one kind of kernel taken out:
 The ablated graphs compute garbage; only their times mean something (each kernel's time does not
 depend on the values it reads). A fusion can save at most the difference to `full`.
 
-    python scripts/ablate_step.py [--batch 256 128 64 32 16 4] [--warm-steps 300 600 900 900 900 900]   (GPU)
+    python scripts/ablate_step.py [--batch 256 128 64 32 16 4] [--warm-steps 300 600 900 900 900 900] [--kinds ...]   (GPU)
 """
 import argparse
 import contextlib
@@ -83,11 +83,15 @@ def ablated(kind: str, runner, scratch: torch.Tensor, q_scratch: torch.Tensor):
             setattr(obj, name, value)
 
 
+KINDS = ["full", "no-norms", "empty-norms", "no-merge", "no-attention", "no-projections", "no-lm-head", "no-sampler"]
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--batch", type=int, nargs="+", default=[256, 128, 64, 32, 16, 4])
     ap.add_argument("--warm-steps", type=int, nargs="+", default=[300, 600, 900, 900, 900, 900])
     ap.add_argument("--reps", type=int, default=30)
+    ap.add_argument("--kinds", nargs="+", default=KINDS, choices=KINDS, help="variants to time ('full' always)")
     args = ap.parse_args()
     llm = random_weight_llm()
     engine = llm.engine
@@ -97,7 +101,7 @@ def main():
     scratch = torch.zeros(gr.max_bs, hidden, dtype=gr.logits.dtype, device="cuda")
     q_scratch = torch.zeros(gr.max_bs, 8 * hidden, dtype=gr.logits.dtype, device="cuda")
     rng = random.Random(0)
-    kinds = ["full", "no-norms", "empty-norms", "no-merge", "no-attention", "no-projections", "no-lm-head", "no-sampler"]
+    kinds = ["full"] + [k for k in args.kinds if k != "full"]
     for i, batch in enumerate(args.batch):
         start_decode_batch(engine, batch, rng)
         for _ in range(args.warm_steps[min(i, len(args.warm_steps) - 1)]):
