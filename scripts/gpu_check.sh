@@ -16,7 +16,8 @@
 # splits (decode attention at every split count, 4-80 sequences), nanobatch (two half-batches on two streams, also with
 # the balanced attention at 100/132/264 programs), nanobatchtail (the same at 16-96 sequences with the long contexts
 # of the run's tail), ablate (a decode step with one kind of kernel deleted: ceilings for fusions), replay (engine step against its CUDA graphs replayed back to back),
-# barrier (dependent projections as kernels vs one persistent kernel with grid barriers), prefilltiles (prefill
+# barrier (dependent projections as kernels vs one persistent kernel with grid barriers, and the synchronisation
+# alone), decoderamp (decode attention: the same bytes in programs of different lengths), prefilltiles (prefill
 # attention tiles, K/V by pointers and through TMA), lmhead (the LM head and the sampling draw in one kernel vs cuBLAS +
 # the sampling pass), green (decode attention and the other half-batch's GEMMs on disjoint SMs through CUDA green
 # contexts), and on a two-GPU machine tp (the tensor-parallel GPU tests), bench8btp (Qwen3-8B over two GPUs) and
@@ -63,8 +64,10 @@ for stage in $STAGES; do
     nanobatchtail) run nanobatchtail python3 scripts/bench_nanobatch.py --batch 96 64 48 32 16 --warm-steps 900 --balanced 132,264 ;;
     ablate)  run ablate python3 scripts/ablate_step.py ;;
     replay)  run replay python3 scripts/profile_step.py --batch 256 128 64 32 8 1 --replay ;;
+    decoderamp) run decoderamp python3 scripts/probe_decode_ramp.py ;;
     barrier) run barrier python3 scripts/bench_grid_barrier.py --rows 16
-             run barrier64 python3 scripts/bench_grid_barrier.py --rows 64 ;;
+             run barrier64 python3 scripts/bench_grid_barrier.py --rows 64
+             run barriersync python3 scripts/bench_grid_barrier.py --sync-only ;;
     prefilltiles) run prefilltiles python3 scripts/tune_prefill.py ;;
     lmhead)  run lmhead python3 scripts/bench_lm_head_sample.py ;;
     green)   run green python3 scripts/bench_green_overlap.py --batch 256 128 --gemm-sms 24 32 40 48 ;;
