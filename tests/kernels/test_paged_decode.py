@@ -100,6 +100,24 @@ def test_choose_num_splits_is_host_only():
     assert 1 <= choose_num_splits(1, 64, 1, 128, cpu) <= 64
 
 
+def test_split_counts_make_one_wave_for_few_sequences(monkeypatch):
+    """On an H200-sized GPU (132 SMs): few sequences get one wave of programs that all run at once
+    (at most 3 per SM), and up to 4 sequence x KV-head items per SM at least two splits (a ragged
+    batch in one wave of whole sequences waits for its longest; kernels/paged_decode.py's figures)."""
+    import nanovllm.kernels.paged_decode as paged_decode
+    monkeypatch.setattr(paged_decode, "_device_sms", lambda device: 132)
+    gpu = torch.device("cuda")  # only passed through to the patched SM count
+    seen = {}
+    for batch in range(1, 257):
+        splits = choose_num_splits(batch, 16, 8, 128, gpu, max_seq_len_hint=4096)
+        items = batch * 8
+        seen[batch] = splits
+        assert splits >= (2 if items <= 4 * 132 else 1), batch
+        if splits > 2:
+            assert items * splits <= 3 * 132, (batch, splits)
+    assert (seen[8], seen[16], seen[32], seen[64], seen[96]) == (5, 2, 2, 2, 1)
+
+
 @pytest.mark.parametrize("block_size", [16, 64, 256])  # tiles across blocks, one block, inside one block
 @pytest.mark.parametrize("num_splits", [1, 3])
 def test_decode_block_ids_carried_one_tile_ahead(block_size, num_splits, device, gen):
