@@ -227,7 +227,7 @@ def choose_num_splits(batch: int, num_q_heads: int, num_kv_heads: int, head_dim:
     of ~1,400-1,500 keys), ms per step against the earlier rule (~4 programs per SM, 1.3-1.6 waves):
     8 sequences 1.291 (5 splits) vs 1.357 (9), 16: 1.621 (2) vs 1.697 (5), 24 in the 32-row graph:
     2.007 (2) vs 2.164 (3); scripts/probe_decode_ramp.py shows why: with equal programs, 1.3 waves
-    read at 3.3-3.5 TB/s, one wave of ~2 per SM at 3.9-4.3. Up to _PROGRAMS_PER_SM items per SM
+    read at 3.3-3.6 TB/s, one wave of ~2 per SM at 3.9-4.3. Up to _PROGRAMS_PER_SM items per SM
     at least two splits (48-64 sequences: 2.812 / 3.559 ms with two, 2.904 / 3.637 with one: ragged
     lengths in one wave wait for the longest). Never a split of fewer than ~_MIN_KEYS_PER_SPLIT keys
     of the longest possible sequence (``max_seq_len_hint``; unknown -> assume long). For CUDA graphs
