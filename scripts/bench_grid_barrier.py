@@ -81,6 +81,22 @@ def _load_acquire(ptr):
 
 
 @triton.jit
+def _grid_barrier(counter_ptr, target, POLL_LOAD: tl.constexpr):
+    """Every thread's stores done (CTA barrier), arrive (release), then wait until the counter reaches
+    target, i.e. all programs have arrived for this round (acquire: their stores visible after it)."""
+    tl.debug_barrier()
+    tl.atomic_add(counter_ptr, 1, sem="release")
+    if POLL_LOAD:
+        seen = _load_acquire(counter_ptr)
+        while seen < target:
+            seen = _load_acquire(counter_ptr)
+    else:
+        seen = tl.atomic_add(counter_ptr, 0, sem="acquire")
+        while seen < target:
+            seen = tl.atomic_add(counter_ptr, 0, sem="acquire")
+
+
+@triton.jit
 def _persistent_kernel(w_ptr, a_ptr, out_ptr, counter_ptr, ROUNDS: tl.constexpr, COPIES: tl.constexpr,
                        PRE: tl.constexpr, POLL_LOAD: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, KS: tl.constexpr,
                        N: tl.constexpr, K: tl.constexpr):
@@ -94,19 +110,7 @@ def _persistent_kernel(w_ptr, a_ptr, out_ptr, counter_ptr, ROUNDS: tl.constexpr,
         _stage(w, a_ptr, out_ptr, r, n0, k0, BM, BN, KS, K, N)
         if PRE:  # the next stage's weights in flight while this program waits for the others
             w = _load_w(w_ptr, (r + 1) % COPIES, n0, k0, BN, KS, N, K)
-        # Grid barrier: every thread's stores done (CTA barrier), arrive (release), then wait until all
-        # programs have arrived for this round (acquire: their stores visible to the next stage).
-        tl.debug_barrier()
-        tl.atomic_add(counter_ptr, 1, sem="release")
-        target = (r + 1) * programs
-        if POLL_LOAD:
-            seen = _load_acquire(counter_ptr)
-            while seen < target:
-                seen = _load_acquire(counter_ptr)
-        else:
-            seen = tl.atomic_add(counter_ptr, 0, sem="acquire")
-            while seen < target:
-                seen = tl.atomic_add(counter_ptr, 0, sem="acquire")
+        _grid_barrier(counter_ptr, (r + 1) * programs, POLL_LOAD)
         if not PRE:
             w = _load_w(w_ptr, (r + 1) % COPIES, n0, k0, BN, KS, N, K)
 
@@ -121,17 +125,7 @@ def _barriers_kernel(counter_ptr, ROUNDS: tl.constexpr, POLL_LOAD: tl.constexpr)
     programs = tl.num_programs(0)
     pdl_prologue()
     for r in range(ROUNDS):
-        tl.debug_barrier()
-        tl.atomic_add(counter_ptr, 1, sem="release")
-        target = (r + 1) * programs
-        if POLL_LOAD:
-            seen = _load_acquire(counter_ptr)
-            while seen < target:
-                seen = _load_acquire(counter_ptr)
-        else:
-            seen = tl.atomic_add(counter_ptr, 0, sem="acquire")
-            while seen < target:
-                seen = tl.atomic_add(counter_ptr, 0, sem="acquire")
+        _grid_barrier(counter_ptr, (r + 1) * programs, POLL_LOAD)
 
 
 def sync_only(rounds: int):

@@ -29,11 +29,19 @@ def test_stage_kernels_compute_each_stage(pre, device):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the grid barrier needs all programs resident (GPU)")
-@pytest.mark.parametrize("pre", [False, True])
-def test_persistent_kernel_computes_each_stage(pre, device):
+@pytest.mark.parametrize("pre,poll_load", [(False, False), (True, False), (True, True)])
+def test_persistent_kernel_computes_each_stage(pre, poll_load, device):
     ws, a, out = _inputs(device)
     counter = torch.zeros(1, dtype=torch.int32, device=device)
-    study.run_persistent(ws, a, out, counter, 3, pre, 16)
+    study.run_persistent(ws, a, out, counter, 3, pre, 16, poll_load=poll_load)
     assert counter.item() == 3 * study.PROGRAMS
     for r in (1, 2):
         torch.testing.assert_close(out[r % 2].sum(0), a[r % 2].float() @ ws[r].float().T, atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the grid barrier needs all programs resident (GPU)")
+@pytest.mark.parametrize("poll_load", [False, True])
+def test_barriers_alone_count_every_arrival(poll_load, device):
+    counter = torch.zeros(1, dtype=torch.int32, device=device)
+    study._barriers_kernel[(132,)](counter, ROUNDS=5, POLL_LOAD=poll_load)
+    assert counter.item() == 5 * 132
