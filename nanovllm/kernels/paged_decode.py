@@ -29,7 +29,7 @@ _LOG2E = 1.4426950408889634
 _NEG_INIT = tl.constexpr(-1.0e30)  # finite running-max init: exp2(-inf - (-inf)) would give NaN
 
 # Splitting heuristics (see choose_num_splits).
-_PROGRAMS_PER_SM = 4  # items (sequence x KV head) up to this many per SM get at least two splits
+_TWO_SPLITS_ITEMS_PER_SM = 4  # items (sequence x KV head) up to this many per SM get at least two splits
 _ONE_WAVE_PROGRAMS_PER_SM = 2.4  # else aim for about this many programs: one wave, all resident at once
 _MIN_KEYS_PER_SPLIT = 128  # below this a split is mostly launch/merge overhead
 _MAX_SPLITS = 64
@@ -227,7 +227,7 @@ def choose_num_splits(batch: int, num_q_heads: int, num_kv_heads: int, head_dim:
     of ~1,400-1,500 keys), ms per step against the earlier rule (~4 programs per SM, 1.3-1.6 waves):
     8 sequences 1.291 (5 splits) vs 1.357 (9), 16: 1.621 (2) vs 1.697 (5), 24 in the 32-row graph:
     2.007 (2) vs 2.164 (3); scripts/probe_decode_ramp.py shows why: with equal programs, 1.3 waves
-    read at 3.3-3.6 TB/s, one wave of ~2 per SM at 3.9-4.3. Up to _PROGRAMS_PER_SM items per SM
+    read at 3.3-3.6 TB/s, one wave of ~2 per SM at 3.9-4.3. Up to _TWO_SPLITS_ITEMS_PER_SM items per SM
     at least two splits (48-64 sequences: 2.812 / 3.559 ms with two, 2.904 / 3.637 with one: ragged
     lengths in one wave wait for the longest). Never a split of fewer than ~_MIN_KEYS_PER_SPLIT keys
     of the longest possible sequence (``max_seq_len_hint``; unknown -> assume long). For CUDA graphs
@@ -237,7 +237,7 @@ def choose_num_splits(batch: int, num_q_heads: int, num_kv_heads: int, head_dim:
     head_blocks = triton.cdiv(num_q_heads // num_kv_heads, block_g)
     items = max(1, batch * num_kv_heads * head_blocks)
     sms = _device_sms(device)
-    splits = max(round(_ONE_WAVE_PROGRAMS_PER_SM * sms / items), 2 if items <= _PROGRAMS_PER_SM * sms else 1)
+    splits = max(round(_ONE_WAVE_PROGRAMS_PER_SM * sms / items), 2 if items <= _TWO_SPLITS_ITEMS_PER_SM * sms else 1)
     if max_seq_len_hint is not None:
         splits = min(splits, triton.cdiv(max(max_seq_len_hint, 1), _MIN_KEYS_PER_SPLIT))
     return max(1, min(splits, _MAX_SPLITS))
