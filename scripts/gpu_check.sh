@@ -20,7 +20,8 @@
 # alone), decoderamp (decode attention: the same bytes in programs of different lengths), prefilltiles (prefill
 # attention tiles, K/V by pointers and through TMA), lmhead (the LM head and the sampling draw in one kernel vs cuBLAS +
 # the sampling pass), green (decode attention and the other half-batch's GEMMs on disjoint SMs through CUDA green
-# contexts), and on a two-GPU machine tp (the tensor-parallel GPU tests), bench8btp (Qwen3-8B over two GPUs) and
+# contexts), libgemm (the decode projections through cuBLAS, cuBLASLt and CUTLASS's grouped GEMM against ours, weights
+# from HBM), ncu (Nsight Compute's counters for decode attention and the decode projections), and on a two-GPU machine tp (the tensor-parallel GPU tests), bench8btp (Qwen3-8B over two GPUs) and
 # bench8btp1shot (the same with the one-shot all-reduce, NANOVLLM_ONE_SHOT_ALL_REDUCE=1).
 set -o pipefail
 OUTDIR=${1:-${OUT:-/tmp/nanovllm-gpu}}
@@ -70,6 +71,16 @@ for stage in $STAGES; do
              run barriersync python3 scripts/bench_grid_barrier.py --sync-only ;;
     prefilltiles) run prefilltiles python3 scripts/tune_prefill.py ;;
     lmhead)  run lmhead python3 scripts/bench_lm_head_sample.py ;;
+    libgemm) run libgemm python3 scripts/probe_library_gemm.py ;;
+    ncu)     ncu_bin=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
+             for target in "decode 256 _decode_split_kernel" "decode 32 _decode_split_kernel" "o 16 _gemm_kernel" \
+                           "o 256 _gemm_kernel" "gate_up 16 _gemm_kernel" "qkv 16 _qkv_rope_kernel"; do
+               set -- $target
+               run "ncu-$1-$2" "$ncu_bin" --clock-control none --kernel-name "regex:$3" --launch-skip 2 --launch-count 1 \
+                 --section SpeedOfLight --section MemoryWorkloadAnalysis --section WarpStateStats \
+                 --section SchedulerStats --section Occupancy --section LaunchStats --section ComputeWorkloadAnalysis \
+                 python3 scripts/ncu_targets.py "$1" "$2"
+             done ;;
     green)   run green python3 scripts/bench_green_overlap.py --batch 256 128 --gemm-sms 24 32 40 48 ;;
     single)  run single python3 bench.py --single --json "$OUTDIR/bench_single.json" ;;
     tp)      run tp python3 -m pytest tests/gpu/test_tensor_parallel_gpu.py -q -p no:cacheprovider --durations=8 ;;
