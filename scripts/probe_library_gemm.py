@@ -11,7 +11,6 @@ the engine's residual-add RMSNorm sums).
 """
 import argparse
 import os
-import statistics
 import sys
 
 import torch
@@ -19,33 +18,10 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 from nanovllm.kernels.gemm import dense_config, dense_linear, gated_linear, splitk_config, splitk_linear  # noqa: E402
+from bench_gemm_tiles import per_call_us  # noqa: E402  (scripts/ is sys.path[0])
 
 LAYERS = 28
 SHAPES = {"qkv": (4096, 1024), "o": (1024, 2048), "gate_up": (6144, 1024), "down": (1024, 3072)}  # (N, K)
-
-
-def time_graph(fn, replays: int = 20, rounds: int = 5) -> float:
-    """Median us per replay of a CUDA graph of fn."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        fn()  # warm-up: compile / pick algorithms outside the capture
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    graph.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(rounds):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(replays):
-            graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / replays)
-    return statistics.median(times)
 
 
 def ours(name: str, x: torch.Tensor, w: torch.Tensor):
@@ -74,20 +50,19 @@ def main():
             x = torch.randn(m, k, dtype=dt, device=dev)
             offs = torch.tensor([m], dtype=torch.int32, device=dev)
             ref = F.linear(x, weights[0])
-            paths = {"cublas": lambda: [F.linear(x, w) for w in weights]}
+            paths = {"cublas": lambda i: F.linear(x, weights[i])}
             try:
                 torch._grouped_mm(x, weights_t[0], offs=offs)
-                paths["grouped_mm"] = lambda: [torch._grouped_mm(x, wt, offs=offs) for wt in weights_t]
+                paths["grouped_mm"] = lambda i: torch._grouped_mm(x, weights_t[i], offs=offs)
             except Exception as e:  # noqa: BLE001 - report and go on
                 print(f"  grouped_mm unavailable: {type(e).__name__}: {str(e)[:120]}")
-            mine = ours(name, x, weights[0])
-            if mine is not None:
+            if ours(name, x, weights[0]) is not None:
                 fns = [ours(name, x, w) for w in weights]
-                paths["triton (ours)"] = lambda: [f() for f in fns]
+                paths["triton (ours)"] = lambda i: fns[i]()
             row = []
             for label, fn in paths.items():
-                us = time_graph(fn) / LAYERS
-                out = fn()[0]
+                us = per_call_us(fn, LAYERS)
+                out = fn(0)
                 if isinstance(out, tuple):  # split-K partials
                     out = out.sum()
                 if name == "gate_up" and label == "triton (ours)":
@@ -97,7 +72,7 @@ def main():
                 row.append(f"{label} {us:6.2f} us (max|diff| {diff:.2g})")
             try:
                 torch.backends.cuda.preferred_blas_library("cublaslt")
-                row.append(f"cublaslt {time_graph(paths['cublas']) / LAYERS:6.2f} us")
+                row.append(f"cublaslt {per_call_us(paths['cublas'], LAYERS):6.2f} us")
             finally:
                 torch.backends.cuda.preferred_blas_library("cublas")
             weight_us = n * k * 2 / 4.5e12 * 1e6
