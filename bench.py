@@ -346,9 +346,13 @@ def main():
     if clocks is not None:
         unix = lambda t: start_unix + (t - start)  # noqa: E731
         first_decode = next((times[i] for i, (nd, new, _, _) in enumerate(steps) if len(new) == nd), start + elapsed)
+        below_128 = next((times[i] for i, (nd, new, _, _) in enumerate(steps)
+                          if len(new) == nd and times[i] >= first_decode and nd < 128), start + elapsed)
         clocks.report([("whole run", start_unix, unix(start + elapsed)),
                        ("prefill/mixed", start_unix, unix(first_decode)),
-                       ("decode", unix(first_decode), unix(start + elapsed))])
+                       ("decode", unix(first_decode), unix(start + elapsed)),
+                       ("decode 128+", unix(first_decode), unix(below_128)),
+                       ("decode 1-127", unix(below_128), unix(start + elapsed))])
     print(json.dumps(result))
     if args.json:
         with open(args.json, "w") as f:
