@@ -25,10 +25,12 @@ import argparse
 import ctypes
 import os
 import random
+from statistics import median
 
 import torch
 
-from steady_decode import decode_slices, end_decode_batch, random_weight_llm, start_decode_batch  # (puts the repo on sys.path)
+from steady_decode import (decode_slices, end_decode_batch, random_weight_llm, start_decode_batch,  # (puts the repo on sys.path)
+                           time_interleaved)
 from nanovllm.layers.rotary import norm_args
 
 _cu = ctypes.CDLL("libcuda.so.1")
@@ -90,17 +92,8 @@ class Graph:
         torch.cuda.synchronize()
 
     def time(self, reps: int, rounds: int = 5) -> float:
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        runs = []
-        for _ in range(rounds):
-            self.graph.replay()
-            start.record()
-            for _ in range(reps):
-                self.graph.replay()
-            end.record()
-            end.synchronize()
-            runs.append(start.elapsed_time(end) / reps)
-        return sorted(runs)[rounds // 2]
+        """Median ms per replay over `rounds` rounds of `reps` replays."""
+        return median(time_interleaved({"graph": self.graph.replay}, reps, rounds)["graph"])
 
 
 def main():

@@ -1,5 +1,6 @@
-"""Shared by the step-level GPU scripts (profile_step.py, host_timing.py): an engine on a
-random-weight model, brought to a steady decode batch of a given size."""
+"""Shared by the step-level GPU scripts (profile_step.py, host_timing.py, ablate_step.py, bench_nanobatch.py,
+bench_green_overlap.py): an engine on a random-weight model, brought to a steady decode batch of a given size,
+and the timing of several launch variants interleaved."""
 import os
 import random
 import shutil
