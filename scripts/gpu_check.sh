@@ -17,7 +17,8 @@
 # the balanced attention at 100/132/264 programs), nanobatchtail (the same at 16-96 sequences with the long contexts
 # of the run's tail), ablate (a decode step with one kind of kernel deleted: ceilings for fusions), replay (engine step against its CUDA graphs replayed back to back),
 # barrier (dependent projections as kernels vs one persistent kernel with grid barriers, and the synchronisation
-# alone), decoderamp (decode attention: the same bytes in programs of different lengths), prefilltiles (prefill
+# alone), decoderamp (decode attention: the same bytes in programs of different lengths), decodeloads (decode attention against
+# its loads alone, and K/V side by side), prefilltiles (prefill
 # attention tiles, K/V by pointers and through TMA), lmhead (the LM head and the sampling draw in one kernel vs cuBLAS +
 # the sampling pass), green (decode attention and the other half-batch's GEMMs on disjoint SMs through CUDA green
 # contexts), libgemm (the decode projections through cuBLAS, cuBLASLt and CUTLASS's grouped GEMM against ours, weights
@@ -66,6 +67,7 @@ for stage in $STAGES; do
     ablate)  run ablate python3 scripts/ablate_step.py ;;
     replay)  run replay python3 scripts/profile_step.py --batch 256 128 64 32 8 1 --replay ;;
     decoderamp) run decoderamp python3 scripts/probe_decode_ramp.py ;;
+    decodeloads) run decodeloads python3 scripts/probe_decode_loads.py ;;
     barrier) run barrier python3 scripts/bench_grid_barrier.py --rows 16
              run barrier64 python3 scripts/bench_grid_barrier.py --rows 64
              run barriersync python3 scripts/bench_grid_barrier.py --sync-only ;;
