@@ -13,7 +13,7 @@ lengths (no raggedness), over:
 
 and, on the paged layout, the engine's kernel without software pipelining (`UNPIPELINED`).
 
-If `dots` or `loads` reads near the ceiling (`bench_bandwidth.py`: ~4.55 TB/s) and attention does not, the
+If `dots` or `loads` reads near the ceiling (`bench_bandwidth.py`: ~4.55-4.65 TB/s) and attention does not, the
 softmax holds the loads back; if all stop at the same rate, the access pattern is the limit.
 
     python scripts/probe_decode_loads.py     (GPU)
@@ -72,7 +72,7 @@ def _paged_loads_kernel(k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr
     tl.store(out_ptr + b * tl.num_programs(0) + kv_head, total)
 
 
-def loads_only(k_cache, v_cache, tables, lens, out, with_v=True, dots=False):
+def run_stand_in(k_cache, v_cache, tables, lens, out, with_v=True, dots=False):
     """Sums the tiles (plain loads into registers), or with `dots` runs attention's two products on them
     without the softmax (loads then pipelined through shared memory, as attention's are)."""
     assert k_cache.stride() == v_cache.stride()
@@ -106,10 +106,10 @@ def main():
             tables = perm.to(torch.int32).view(batch, length // PAGE)
             runs = {"attention": lambda: paged_decode_attention(q, k_cache, v_cache, tables, lens, D ** -0.5,
                                                                 num_splits=1),
-                    "dots": lambda: loads_only(k_cache, v_cache, tables, lens, sink, dots=True),
-                    "loads": lambda: loads_only(k_cache, v_cache, tables, lens, sink)}
+                    "dots": lambda: run_stand_in(k_cache, v_cache, tables, lens, sink, dots=True),
+                    "loads": lambda: run_stand_in(k_cache, v_cache, tables, lens, sink)}
             if name == "paged":
-                runs["k-only"] = lambda: loads_only(k_cache, v_cache, tables, lens, sink, with_v=False)
+                runs["k-only"] = lambda: run_stand_in(k_cache, v_cache, tables, lens, sink, with_v=False)
                 for label, config in UNPIPELINED.items():
                     runs[label] = lambda config=config: paged_decode_attention(
                         q, k_cache, v_cache, tables, lens, D ** -0.5, num_splits=1, _config=config)

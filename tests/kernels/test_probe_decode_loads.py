@@ -23,7 +23,7 @@ def test_stand_in_reads_every_cached_token(mode, device, monkeypatch):
     tables = torch.randperm(blocks, generator=g).to(device, torch.int32).view(2, 6)
     lens = torch.tensor([300, 130], dtype=torch.int32, device=device)  # ragged last tiles
     out = torch.empty(2 * hkv, dtype=torch.float32, device=device)
-    probe.loads_only(k, v, tables, lens, out, with_v=mode != "k-only", dots=mode == "dots")
+    probe.run_stand_in(k, v, tables, lens, out, with_v=mode != "k-only", dots=mode == "dots")
     expect, bound = [], []
     for b in range(2):
         rows = tables[b].long()
