@@ -92,16 +92,3 @@ class AttentionBackend(ABC):
               max_model_len: int, device: torch.device):
         """Called once at start-up with the largest shapes, to preallocate work buffers."""
 
-
-def get_attention_backend(name: str, device: torch.device) -> AttentionBackend:
-    if name == "auto":
-        name = "triton" if device.type == "cuda" else "torch"
-    if name == "torch":
-        from nanovllm.attention.torch_backend import TorchAttentionBackend
-        return TorchAttentionBackend()
-    if name == "triton":
-        if device.type != "cuda":
-            raise ValueError("attention_backend='triton' needs a CUDA device")
-        from nanovllm.attention.triton_backend import TritonAttentionBackend
-        return TritonAttentionBackend()
-    raise ValueError(f"unknown attention backend {name!r}; choose 'auto', 'torch' or 'triton'")

@@ -5,17 +5,14 @@ min_tokens bans and penalties (float32 where penalties ran) and returns the toke
 path (kernels/sample_top_k.py and sample_top_p.py say up to what). Greedy rows come along in
 every draw.
 """
-from typing import TYPE_CHECKING
-
 import torch
 
-if TYPE_CHECKING:
-    from nanovllm.layers.sampler import SamplingMetadata
+from nanovllm.layers.sampling_metadata import SamplingMetadata
 
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
-def top_k_kernel_serves(dtype: torch.dtype, meta: "SamplingMetadata") -> bool:
+def top_k_kernel_serves(dtype: torch.dtype, meta: SamplingMetadata) -> bool:
     """Whether the top-k kernels draw the whole batch: every random row has a top_k they take
     (and maybe top-p, min-p)."""
     from nanovllm.kernels.sample_top_k import MAX_TOP_K
@@ -23,20 +20,20 @@ def top_k_kernel_serves(dtype: torch.dtype, meta: "SamplingMetadata") -> bool:
             and 0 < meta.max_top_k <= MAX_TOP_K)
 
 
-def top_p_kernel_serves(dtype: torch.dtype, meta: "SamplingMetadata") -> bool:
+def top_p_kernel_serves(dtype: torch.dtype, meta: SamplingMetadata) -> bool:
     """Whether the top-p kernel draws the whole batch: top-p or min-p on some rows, top-k on none
     (plain random rows come along)."""
     return dtype in _DTYPES and meta.top_k is None and (meta.top_p is not None or meta.min_p is not None)
 
 
-def split_kernels_serve(dtype: torch.dtype, meta: "SamplingMetadata") -> bool:
+def split_kernels_serve(dtype: torch.dtype, meta: SamplingMetadata) -> bool:
     """Whether the batch splits between the two: rows with a top_k the top-k kernels take beside
     random rows without one (e.g. a server's requests from different clients)."""
     from nanovllm.kernels.sample_top_k import MAX_TOP_K
     return dtype in _DTYPES and meta.top_k_rows is not None and meta.max_top_k <= MAX_TOP_K
 
 
-def _per_row(meta: "SamplingMetadata", batch: int):
+def _per_row(meta: SamplingMetadata, batch: int):
     """[B] top_k (1 where off), top_p (1.0 where off) and log(min_p) (-inf where off; the torch
     path's own log, so that both cut at the same logit), each None when no row uses it."""
     def spread(values, rows, off):
@@ -48,20 +45,20 @@ def _per_row(meta: "SamplingMetadata", batch: int):
             spread(log_min_p, meta.min_p_rows, float("-inf")))
 
 
-def _draw_top_k(logits: torch.Tensor, meta: "SamplingMetadata", keys: torch.Tensor) -> torch.Tensor:
+def _draw_top_k(logits: torch.Tensor, meta: SamplingMetadata, keys: torch.Tensor) -> torch.Tensor:
     from nanovllm.kernels.sample_top_k import sample_top_k_rows
     top_k, top_p, log_min_p = _per_row(meta, logits.shape[0])
     return sample_top_k_rows(logits, meta.temperatures, top_k, top_p, keys, meta.max_top_k, log_min_p=log_min_p)
 
 
-def _draw_top_p(logits: torch.Tensor, meta: "SamplingMetadata", keys: torch.Tensor) -> torch.Tensor:
+def _draw_top_p(logits: torch.Tensor, meta: SamplingMetadata, keys: torch.Tensor) -> torch.Tensor:
     from nanovllm.kernels.sample_top_p import sample_top_p_rows
     _, top_p, log_min_p = _per_row(meta, logits.shape[0])
     top_p = meta.temperatures.new_ones(logits.shape[0]) if top_p is None else top_p
     return sample_top_p_rows(logits, meta.temperatures, top_p, keys, log_min_p=log_min_p)
 
 
-def _draw_split(logits: torch.Tensor, meta: "SamplingMetadata", keys: torch.Tensor) -> torch.Tensor:
+def _draw_split(logits: torch.Tensor, meta: SamplingMetadata, keys: torch.Tensor) -> torch.Tensor:
     """The rows with a top_k through the top-k kernels, the others through the top-p kernel, each
     on its rows' copy of the logits."""
     from nanovllm.kernels.sample_top_k import sample_top_k_rows
@@ -83,7 +80,7 @@ def _draw_split(logits: torch.Tensor, meta: "SamplingMetadata", keys: torch.Tens
     return tokens
 
 
-def filter_kernel_draw(dtype: torch.dtype, meta: "SamplingMetadata"):
+def filter_kernel_draw(dtype: torch.dtype, meta: SamplingMetadata):
     """The kernels' draw, draw(logits, meta, row_keys) -> tokens, that serves the batch's filters on
     the GPU, or None (the torch path)."""
     if meta.top_k is None and meta.top_p is None and meta.min_p is None:  # no filter: the plain draw

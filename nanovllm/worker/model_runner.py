@@ -5,7 +5,7 @@ from operator import attrgetter
 
 import torch
 
-from nanovllm.attention.base import get_attention_backend
+from nanovllm.attention.registry import get_attention_backend
 from nanovllm.config import Config
 from nanovllm.distributed import (broadcast_from_rank0, enable_one_shot_all_reduce, min_over_ranks, set_tensor_parallel,
                                   tp_rank, tp_size)

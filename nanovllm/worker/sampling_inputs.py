@@ -10,7 +10,8 @@ import torch
 
 from nanovllm.engine.sequence import Sequence
 from nanovllm.layers.penalties import PenaltyInputs
-from nanovllm.layers.sampler import SamplingMetadata, _mix32
+from nanovllm.layers.sampler import _mix32
+from nanovllm.layers.sampling_metadata import SamplingMetadata
 from nanovllm.worker.inputs import SEED_MASK, _to_device
 
 _M32 = np.uint64(0xFFFFFFFF)

@@ -36,9 +36,8 @@ def _meta(device, gen):
     return meta, positions.to(device)
 
 
-@pytest.mark.parametrize("balanced", [False, True])  # decode rows through the split / balanced kernel
 @pytest.mark.parametrize("arch", ["qwen3", "llama"])  # with and without q/k norm
-def test_fused_kv_store_matches_plain_path(arch, balanced, device, gen, monkeypatch):
+def test_fused_kv_store_matches_plain_path(arch, device, gen, monkeypatch):
     config = ARCHS[arch]()
     qk_norm = arch == "qwen3"
     layer = DecoderAttention(config, qkv_bias=False, o_bias=False, qk_norm=qk_norm)
@@ -58,14 +57,11 @@ def test_fused_kv_store_matches_plain_path(arch, balanced, device, gen, monkeypa
         return layer(positions, x, meta), cache
 
     expect, expect_cache = run(TorchAttentionBackend())
-    monkeypatch.setattr(triton_backend, "BALANCED_DECODE_MAX_BATCH", 1 << 30 if balanced else 0)
     fused = TritonAttentionBackend()
     fused.setup(4, layer.num_heads, layer.num_kv_heads, layer.head_dim, 64, device)
-    assert (fused.balanced is not None) == balanced
     ran = []
-    for name in ("paged_decode_attention", "paged_decode_attention_balanced"):
-        kernel = getattr(triton_backend, name)
-        monkeypatch.setattr(triton_backend, name, lambda *a, _k=kernel, _n=name, **kw: (ran.append(_n), _k(*a, **kw))[1])
+    kernel = triton_backend.paged_decode_attention
+    monkeypatch.setattr(triton_backend, "paged_decode_attention", lambda *a, **kw: (ran.append(1), kernel(*a, **kw))[1])
     assert fused.fuses_kv_store and not TorchAttentionBackend.fuses_kv_store
 
     def no_store(*args):
@@ -76,29 +72,7 @@ def test_fused_kv_store_matches_plain_path(arch, balanced, device, gen, monkeypa
     torch.testing.assert_close(got_cache[0], expect_cache[0], rtol=1e-5, atol=1e-5)
     assert torch.equal(got_cache[1], expect_cache[1]), "values are copied as is"
     torch.testing.assert_close(got, expect, rtol=1e-4, atol=1e-4)
-    assert ran == ["paged_decode_attention_balanced" if balanced else "paged_decode_attention"]
-
-
-@pytest.mark.parametrize("max_batch,expect", [(0, "paged_decode_attention"), (2, "paged_decode_attention"),
-                                              (3, "paged_decode_attention_balanced")])
-def test_balanced_schedule_up_to_its_batch_size(max_batch, expect, device, monkeypatch):
-    """Decode batches of up to BALANCED_DECODE_MAX_BATCH sequences take the balanced kernel, larger ones
-    (and all of them when it is 0) the split kernel."""
-    monkeypatch.setattr(triton_backend, "BALANCED_DECODE_MAX_BATCH", max_batch)
-    backend = TritonAttentionBackend()
-    backend.setup(4, 4, 2, 64, 64, device)
-    ran = []
-    for name in ("paged_decode_attention", "paged_decode_attention_balanced"):
-        monkeypatch.setattr(triton_backend, name, lambda *a, _n=name, **kw: ran.append(_n))
-    meta = AttentionMetadata(num_seqs=3, num_decodes=3, slot_mapping=torch.zeros(3, dtype=torch.int64, device=device),
-                             query_start_loc=torch.arange(4, dtype=torch.int32, device=device),
-                             seq_lens=torch.tensor([5, 6, 7], dtype=torch.int32, device=device),
-                             block_tables=torch.zeros(3, 1, dtype=torch.int32, device=device), max_query_len=1,
-                             max_seq_len=7)
-    backend.decode(torch.zeros(3, 4, 64, device=device), torch.zeros(2, 16, 2, 64, device=device),
-                   torch.zeros(2, 16, 2, 64, device=device), meta, 0.125, torch.empty(3, 4, 64, device=device))
-    assert ran == [expect]
-
+    assert ran == [1], "the decode rows go through the split kernel once"
 
 
 @pytest.mark.parametrize("arch", ["qwen3", "llama"])

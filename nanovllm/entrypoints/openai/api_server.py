@@ -251,6 +251,11 @@ class _Server(uvicorn.Server):
         super().handle_exit(sig, frame)
 
 
-if __name__ == "__main__":
-    from nanovllm.entrypoints.cli import main
-    sys.exit(main(["serve", *sys.argv[1:]]))
+if __name__ == "__main__":  # the same as `nanovllm serve` (the CLI sits above this module, not below it)
+    _parser = argparse.ArgumentParser(prog="python -m nanovllm.entrypoints.openai.api_server")
+    add_serve_arguments(_parser)
+    _args = _parser.parse_args()
+    try:
+        sys.exit(run_server(_args))
+    except (ValueError, TypeError, FileNotFoundError) as e:
+        _parser.error(str(e))
