@@ -15,7 +15,6 @@ import json
 import os
 import random
 import shutil
-import sys
 import tempfile
 import time
 from array import array
@@ -23,8 +22,7 @@ from operator import add
 
 import torch
 
-from benchmarks.diagnostics import (ClockTrace, GcPauses, log_triton_compiles, minimal_sample,
-                                    print_host_stages, print_segment_allocs, profile_run)
+from benchmarks.diagnostics import ClockTrace, GcPauses, log_triton_compiles, print_segment_allocs, profile_run
 from nanovllm import LLM, SamplingParams
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -64,24 +62,16 @@ class ScheduleRecorder:
     generation-1 collection inside the timed run (10-20 ms, a device stall) that the engine alone
     does not have."""
 
-    def __init__(self, scheduler, stage_totals: dict | None = None):
+    def __init__(self, scheduler):
         self._num_decodes = array("q")
         self._row_end = array("q")  # step i's rows are [_row_end[i - 1], _row_end[i]) of the arrays below
         self._new, self._ctx, self._computed = array("q"), array("q"), array("q")
         self.times = []  # perf_counter at each scheduled step: the gaps are step times once the GPU is busy
-        # With stage_totals (host_timing.py's per-stage timers, which must wrap the scheduler first): the
-        # host time per stage over each step's wall, i.e. from its scheduling to the next step's (its
-        # launch, the previous step's results, the next step's scheduling).
-        self.stages: list[dict] = []
         inner = scheduler.schedule
 
         def schedule():
             batch = inner()
             if batch is not None:
-                if stage_totals is not None:
-                    if self.times:
-                        self.stages.append(dict(stage_totals))
-                    stage_totals.clear()
                 self.times.append(time.perf_counter())
                 self._num_decodes.append(batch.num_decodes)
                 computed = [s.num_computed_tokens for s in batch.seqs]
@@ -193,10 +183,6 @@ def main():
     ap.add_argument("--json", help="write the figures to this file")
     ap.add_argument("--steps-json", metavar="FILE",
                     help="write every step of the timed run to FILE: decode rows, tokens, wall and ideal ms")
-    ap.add_argument("--no-split-k", action="store_true", help="o/down projections on cuBLAS instead of split-K (A/B of split-K)")
-    ap.add_argument("--host-stages", action="store_true",
-                    help="time the host stages of every step of the timed run (scripts/host_timing.py's timers) "
-                         "and print them for the prefill/mixed steps and the first decode steps")
     ap.add_argument("--clock-trace", action="store_true",
                     help="sample the GPU's SM clock and power (nvidia-smi) during the timed run; print them for "
                          "the prefill and decode segments")
@@ -208,13 +194,8 @@ def main():
     ap.add_argument("--alloc-trace", action="store_true",
                     help="record where the timed run's device allocations (cudaMalloc) come from (slows the run)")
     ap.add_argument("--trace", metavar="FILE", help="with --profile: write the run's chrome trace to FILE")
-    ap.add_argument("--sampler-ab", type=int, default=0, metavar="N",
-                    help="after the timed runs, N alternating runs with our sampler and nano-vllm's minimal one")
     args = ap.parse_args()
 
-    if args.no_split_k:
-        import nanovllm.kernels.gemm as gemm
-        gemm.splitk_config = lambda m, n, k: None
     path, cfg, load_format = model_dir(args)
     # Before the engine exists: the measurement's buffers are freed and its cache emptied, which would
     # otherwise also drop the activation memory the engine keeps in the allocator.
@@ -243,13 +224,7 @@ def main():
     llm.generate([[1, 2, 3, 4, 5]], SamplingParams(max_tokens=16), use_tqdm=False)  # warm-up
     if args.log_compiles:
         log_triton_compiles()
-    stage_totals = None
-    if args.host_stages:
-        sys.path.insert(0, os.path.join(HERE, "scripts"))
-        from host_timing import TOTALS, instrument
-        instrument(llm.engine)
-        stage_totals = TOTALS
-    recorder = ScheduleRecorder(llm.engine.scheduler, stage_totals)
+    recorder = ScheduleRecorder(llm.engine.scheduler)
     if device.type == "cuda":
         torch.cuda.synchronize()
         before = torch.cuda.memory_stats()
@@ -287,25 +262,6 @@ def main():
         prefill = prefill_walls(recorder.steps[first_step:], step_walls(recorder.times[first_step:], again + took))
         print(f"repeat {i} (fresh prompt tokens): {took:.2f}s, {sum(p.max_tokens for p in params) / took:,.0f} tok/s; "
               f"prefill/mixed {sum(prefill):.3f}s, step walls (ms): " + " ".join(f"{1e3 * w:.1f}" for w in prefill))
-    ab = {"ours": [], "minimal": []}
-    if args.sampler_ab:
-        sampler = getattr(llm.engine.model_runner, "sampler", None)
-        assert sampler is not None, "--sampler-ab needs tensor_parallel_size=1"
-        ours = sampler.sample
-        # Decode steps draw inside a CUDA graph (the same kernel as `ours`); send every step through
-        # the eager sampler so that the two arms differ in the sampler alone.
-        import nanovllm.worker.model_runner as model_runner
-        model_runner._plain_sampling = lambda seq: False
-        for _ in range(args.sampler_ab):
-            for name, fn in (("minimal", minimal_sample), ("ours", ours)):
-                sampler.sample = fn
-                t0 = time.perf_counter()
-                llm.generate(prompts, params, use_tqdm=False)
-                ab[name].append(time.perf_counter() - t0)
-        sampler.sample = ours
-        for name, ts in ab.items():
-            print(f"sampler {name}: " + ", ".join(f"{t:.3f}s" for t in ts) + f"  (best {min(ts):.3f}s)")
-        print(f"sampler A/B: ours/minimal best-time ratio {min(ab['ours']) / min(ab['minimal']):.4f}")
     out_tokens = sum(len(o["token_ids"]) for o in outputs)
     assert out_tokens == sum(p.max_tokens for p in params)
     throughput = out_tokens / elapsed
@@ -325,8 +281,6 @@ def main():
         "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         "breakdown": step_breakdown(steps, times, start + elapsed, roof["step_ideal_s"]),
     }
-    if args.sampler_ab:
-        result["sampler_ab_s"] = ab
     if args.steps_json:
         walls = step_walls(times, start + elapsed)
         with open(args.steps_json, "w") as f:
@@ -341,8 +295,6 @@ def main():
     for row in result["breakdown"]:
         print(f"  {row['steps']:>14}: {row['count']:5d} steps, wall {row['wall_s']:.3f}s "
               f"({row['wall_ms_per_step']:.2f} ms/step), ideal {row['ideal_s']:.3f}s ({row['ideal_ms_per_step']:.2f} ms/step)")
-    if args.host_stages:
-        print_host_stages(steps, step_walls(times, start + elapsed), recorder.stages)
     if clocks is not None:
         unix = lambda t: start_unix + (t - start)  # noqa: E731
         first_decode = next((times[i] for i, (nd, new, _, _) in enumerate(steps) if len(new) == nd), start + elapsed)

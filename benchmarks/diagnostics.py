@@ -1,6 +1,5 @@
-"""The diagnostic switches of bench.py (`--log-compiles`, `--sampler-ab`, `--alloc-trace`, `--profile`,
-`--clock-trace`, `--host-stages`): what each records or prints around the timed run, kept apart from the
-benchmark itself."""
+"""The diagnostic switches of bench.py (`--log-compiles`, `--alloc-trace`, `--profile`, `--clock-trace`): what
+each records or prints around the timed run, kept apart from the benchmark itself."""
 import gc
 import os
 import time
@@ -19,15 +18,6 @@ def log_triton_compiles():
         print(f"[triton compile at {time.perf_counter():.3f}] {repr}", flush=True)
         return False
     knobs.runtime.jit_cache_hook = hook
-
-
-def minimal_sample(logits, meta):
-    """nano-vllm's sampler (temperature, then an exponential race), for the A/B of the sampling
-    features' cost: what a sampler that supports nothing but temperature costs."""
-    from nanovllm.layers.sampler import SamplerOutput
-    probs = torch.softmax(logits.float() / meta.temperatures.clamp(min=1e-5)[:, None], dim=-1)
-    tokens = probs.div_(torch.empty_like(probs).exponential_(1)).argmax(dim=-1)
-    return SamplerOutput(tokens)
 
 
 class GcPauses:
@@ -135,16 +125,3 @@ class ClockTrace:
             print(f"  {name:>14}: SM clock {min(sm):.0f} / {sum(sm) / len(sm):.0f} / {max(sm):.0f} MHz (min / mean / "
                   f"max), power {sum(power) / len(power):.0f} W (max {max(power):.0f}), {max(temp):.0f} C, "
                   f"{len(inside)} samples")
-
-
-def print_host_stages(steps, walls, stages, decode_after: int = 3):
-    """Host time per stage of the prefill/mixed steps and the first decode steps after them: what a
-    long step wall was spent on (`wait` = blocked on the device)."""
-    from host_timing import TOP_LEVEL, format_stages
-    last_prefill = max((i for i, (nd, new, _, _) in enumerate(steps) if len(new) > nd), default=-1)
-    for i in range(min(last_prefill + 1 + decode_after, len(steps), len(stages))):
-        nd, new, _, _ = steps[i]
-        kind = f"{sum(new) - sum(new[:nd]):5d} prompt + {nd:3d} decode tokens"
-        outside = walls[i] - sum(stages[i].get(name, 0.0) for name in TOP_LEVEL)  # the caller's loop
-        print(f"  step {i:2d} ({kind}): wall {1e3 * walls[i]:6.2f} ms | {format_stages(stages[i])}"
-              f" | outside these {1e3 * outside:.2f}")

@@ -9,7 +9,7 @@ on a GPU (it launches step N, then reads step N-1's tokens, waiting for them if 
 
   python scripts/bench_frontend.py --concurrency 256 --num-prompts 512 --step-ms 5
 
-Defaults: the GPU serving benchmark's workload (`scripts/gpu_serving.sh`: inputs and outputs of
+Defaults: the GPU serving benchmark's workload (`STAGES=serving bash scripts/gpu_check.sh`: inputs and outputs of
 100-1024 tokens, token ids below 10,000, no tokenizer) at the H200's speed for Qwen3-0.6B (~5 ms per
 decode step at 256 sequences, ~1.9 us per prefill token).
 """

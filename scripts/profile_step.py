@@ -11,14 +11,41 @@ NANOVLLM_PDL=0, or an early-launched kernel's wait counts as its own time.
 import argparse
 import os
 import random
+import shutil
 import sys
+import tempfile
 import time
 
 import torch
 from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile
 
-from steady_decode import DEFAULT_CONFIG, end_decode_batch, random_weight_llm, start_decode_batch
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+from nanovllm import LLM, SamplingParams  # noqa: E402
+
+DEFAULT_CONFIG = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "benchmarks/configs/qwen3-0.6b.json")
+
+
+def random_weight_llm(config: str = DEFAULT_CONFIG) -> LLM:
+    tmp = tempfile.mkdtemp()
+    shutil.copy(config, os.path.join(tmp, "config.json"))
+    return LLM(tmp, load_format="dummy", max_model_len=4096)
+
+
+def start_decode_batch(engine, batch: int, rng: random.Random, temperature: float = 0.6):
+    """Add `batch` requests with the benchmark's prompt lengths and step until all are decoding."""
+    for i in range(batch):
+        prompt = [rng.randint(0, 10000) for _ in range(rng.randint(100, 1024))]
+        engine.add_request(f"{batch}-{i}", prompt, SamplingParams(temperature=temperature, ignore_eos=True,
+                                                                  max_tokens=3000))
+    while engine.scheduler.waiting or any(s.num_computed_tokens < s.num_prompt_tokens for s in engine.scheduler.running):
+        engine.step()
+
+
+def end_decode_batch(engine, batch: int):
+    for i in range(batch):
+        engine.abort_request(f"{batch}-{i}")
+    engine.drain()
 
 
 def profile_prefill_steps(llm, top: int):
@@ -63,8 +90,7 @@ def main():
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--temperature", type=float, default=0.6)
     ap.add_argument("--replay", action="store_true", help="also the step's CUDA graphs replayed back to back")
-    ap.add_argument("--trace", help="directory for a chrome trace of the profiled steps per batch size "
-                                    "(scripts/trace_gaps.py reads them)")
+    ap.add_argument("--trace", help="directory for a chrome trace of the profiled steps per batch size")
     args = ap.parse_args()
     llm = random_weight_llm(args.config)
     if args.prefill:

@@ -3,14 +3,7 @@
     python scripts/tune_decode.py            (on the GPU machine)
     python scripts/tune_decode.py --buckets  (default config only, batch sizes 8-256: efficiency per
                                               batch size, the engine's split count against others)
-    python scripts/tune_decode.py --buckets --balanced   (also the balanced schedule of
-                                              kernels/paged_decode_balanced.py, at 1-3 programs per SM)
-    python scripts/tune_decode.py --buckets --head-major (the same on a [block, head, token, dim] cache)
-    python scripts/tune_decode.py --buckets --balanced --per-sm 3,4,5 --balanced-config 32,4,3
-                                             (the balanced schedule with smaller tiles, more programs per SM)
     python scripts/tune_decode.py --splits 8,16,24,32   (every split count 1-12 at these batch sizes, default config)
-    python scripts/tune_decode.py --buckets --presorted  (also the engine's split count on the batch already
-                                              in longest-first order, without the `order` indirection)
 
 For each batch (context lengths drawn like the nano-vllm workload at several points of its run)
 it times every (BLOCK_N, num_warps, num_stages) with and without longest-first dispatch and a few
@@ -30,13 +23,6 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 from bench import measure_device  # noqa: E402
 from nanovllm.kernels.paged_decode import (_decode_config, alloc_decode_workspace, choose_num_splits,  # noqa: E402
                                            paged_decode_attention)
-from nanovllm.kernels.paged_decode_balanced import (alloc_balanced_workspace, balanced_num_programs,  # noqa: E402
-                                                    paged_decode_attention_balanced)
-
-BALANCED_WS = None  # with --balanced: the balanced kernel's workspace
-BALANCED_PER_SM = (1, 2, 3)
-BALANCED_CONFIG = None  # (BLOCK_N, warps, stages) for the balanced kernel; None: its default
-PRESORTED = False
 
 HQ, HKV, D, PAGE = 16, 8, 128, 256  # Qwen3-0.6B's attention, the default block size
 
@@ -82,23 +68,6 @@ def buckets_one(bw, k_cache, v_cache, ws, num_blocks, config):
         kv_bytes = sum(lens) * HKV * D * 2 * 2
         engine = choose_num_splits(batch, HQ, HKV, D, q.device, 4096)
         line = f"B={batch:3d} ctx~{sum(lens) // batch:4d} KV {kv_bytes / 1e6:6.1f} MB:"
-        if BALANCED_WS is not None:
-            expect = paged_decode_attention(q, k_cache, v_cache, tables, seq_lens, D ** -0.5, workspace=ws, order=order)
-            bal_cfg = None if BALANCED_CONFIG is None else (config[0], *BALANCED_CONFIG, False)
-            for per_sm in BALANCED_PER_SM:
-                programs = balanced_num_programs(q.device, per_sm)
-
-                def call():
-                    return paged_decode_attention_balanced(q, k_cache, v_cache, tables, seq_lens, D ** -0.5,
-                                                           num_programs=programs, workspace=BALANCED_WS,
-                                                           _config=bal_cfg)
-                try:
-                    torch.testing.assert_close(call().float(), expect.float(), atol=2e-2, rtol=2e-2)
-                    us = triton.testing.do_bench_cudagraph(call, rep=30, return_mode="median") * 1e3
-                except Exception as e:
-                    line += f"  balanced x{per_sm}: {type(e).__name__} {str(e)[:60]}"
-                    continue
-                line += f"  balanced x{per_sm} {us:6.1f} us {kv_bytes / (us * 1e-6) / bw:4.0%}"
         for splits in sorted({engine, 1, 2, 4, 8}):
             def call():
                 return paged_decode_attention(q, k_cache, v_cache, tables, seq_lens, D ** -0.5, num_splits=splits,
@@ -110,15 +79,6 @@ def buckets_one(bw, k_cache, v_cache, ws, num_blocks, config):
                 continue
             mark = "*" if splits == engine else ""
             line += f"  s={splits}{mark} {us:6.1f} us {kv_bytes / (us * 1e-6) / bw:4.0%}"
-        if PRESORTED:  # rows already longest-first: the same dispatch order, one dependent load less
-            long_first = order.long()
-            q_s, tables_s, lens_s = q[long_first].contiguous(), tables[long_first].contiguous(), seq_lens[long_first].contiguous()
-
-            def call():
-                return paged_decode_attention(q_s, k_cache, v_cache, tables_s, lens_s, D ** -0.5, num_splits=engine,
-                                              workspace=ws, _config=config)
-            us = triton.testing.do_bench_cudagraph(call, rep=30, return_mode="median") * 1e3
-            line += f"  presorted s={engine} {us:6.1f} us {kv_bytes / (us * 1e-6) / bw:4.0%}"
         print(line, flush=True)
 
 
@@ -148,35 +108,15 @@ def main():
     ap.add_argument("--buckets", action="store_true", help="a few configs at batch sizes 8-256 only")
     ap.add_argument("--configs", default="64,4,3,1 64,4,3,0 64,4,4,1",
                     help="with --buckets: BLOCK_N,warps,stages,prefetch_blocks (0/1); the first is the default")
-    ap.add_argument("--balanced", action="store_true", help="with --buckets: also the balanced (stream-K) schedule")
     ap.add_argument("--splits", help="comma-separated batch sizes: every split count 1-12 at each")
-    ap.add_argument("--per-sm", default="1,2,3", help="with --balanced: programs per SM to time")
-    ap.add_argument("--balanced-config", help="with --balanced: BLOCK_N,warps,stages of the balanced kernel")
-    ap.add_argument("--presorted", action="store_true", help="with --buckets: also the batch presorted, no order")
-    ap.add_argument("--head-major", action="store_true",
-                    help="K/V cache memory in [block, head, token, dim] order (one head's tile contiguous), shown "
-                         "to the kernels as the usual [block, token, head, dim] strided view")
     args = ap.parse_args()
-    global BALANCED_WS, BALANCED_PER_SM, BALANCED_CONFIG, PRESORTED
-    BALANCED_PER_SM = tuple(int(v) for v in args.per_sm.split(","))
-    if args.balanced_config:
-        BALANCED_CONFIG = tuple(int(v) for v in args.balanced_config.split(","))
-    PRESORTED = args.presorted
-    if args.balanced:
-        programs = balanced_num_programs(torch.device("cuda"), max(BALANCED_PER_SM))  # the most the sweep uses
-        BALANCED_WS = alloc_balanced_workspace(programs, HQ, HKV, D, torch.device("cuda"))
     torch.manual_seed(0)
     random.seed(0)
     bw = measure_device(torch.device("cuda"))[0]
     print(f"copy bandwidth {bw / 1e12:.2f} TB/s")
     num_blocks = 256 * 9
-    if args.head_major:
-        k_cache = torch.randn(num_blocks, HKV, PAGE, D, dtype=torch.bfloat16, device="cuda").transpose(1, 2)
-        v_cache = torch.randn(num_blocks, HKV, PAGE, D, dtype=torch.bfloat16, device="cuda").transpose(1, 2)
-        print(f"head-major K/V cache, strides {k_cache.stride()}")
-    else:
-        k_cache = torch.randn(num_blocks, PAGE, HKV, D, dtype=torch.bfloat16, device="cuda")
-        v_cache = torch.randn_like(k_cache)
+    k_cache = torch.randn(num_blocks, PAGE, HKV, D, dtype=torch.bfloat16, device="cuda")
+    v_cache = torch.randn_like(k_cache)
     ws = alloc_decode_workspace(256, HQ, D, 64, "cuda")
     if args.splits:
         return split_sweep(bw, k_cache, v_cache, ws, num_blocks, [int(v) for v in args.splits.split(",")])

@@ -28,9 +28,9 @@ def _bench(tmp_path, *args, env=None):
     return proc
 
 
-def test_bench_runs_and_reports_host_stages(tmp_path):
+def test_bench_runs_and_reports_its_steps(tmp_path):
     out, steps_out = tmp_path / "result.json", tmp_path / "steps.json"
-    proc = _bench(tmp_path, "--host-stages", "--repeat", "2", "--json", str(out), "--steps-json", str(steps_out))
+    proc = _bench(tmp_path, "--repeat", "2", "--json", str(out), "--steps-json", str(steps_out))
     result = json.loads(out.read_text())
     steps = json.loads(steps_out.read_text())  # the timed run's steps, in order
     assert len(steps) == result["steps"] and steps[0]["tokens"] > steps[0]["decode_rows"] == 0
@@ -40,10 +40,6 @@ def test_bench_runs_and_reports_host_stages(tmp_path):
     lines = proc.stdout.splitlines()
     assert any(line.startswith("Total: ") and "tok/s" in line for line in lines)
     assert any(line.startswith("repeat 1 (fresh prompt tokens)") for line in lines)
-    # One line per prefill step and three decode steps after them, each with its host stages.
-    stages = [line for line in lines if line.strip().startswith("step ")]
-    assert len(stages) >= 4 and "prompt" in stages[0] and "model forward (eager launch)" in stages[0]
-    assert all("wall" in line and "execute (all)" in line for line in stages)
 
 
 def test_bench_passes_gpu_memory_utilization_to_the_engine(tmp_path):

@@ -24,7 +24,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 from nanovllm.kernels.pdl import PDL_LAUNCH, pdl_prologue
 
 # Split-K up to 256 rows: with TMA operands, 4 slices beat cuBLAS's o/down at 192 and 256 rows too
-# (scripts/bench_decode_gemm.py, H200, net of the kernel before: 256 rows o 6.0 vs 7.5 us, down 6.7 vs
+# (H200, net of the kernel before: 256 rows o 6.0 vs 7.5 us, down 6.7 vs
 # 8.3; 192 rows o 6.0 vs 6.8, down 7.0 vs 8.6). Past 256 rows (max_num_seqs > 256) not measured.
 _MAX_SPLITK_M = 256
 # Split-K is for narrow outputs, where cuBLAS has too few output tiles to fill the GPU. Measured with
@@ -32,7 +32,7 @@ _MAX_SPLITK_M = 256
 # split-K against 9,813 without (every decode bucket from 16 to 127 rows slower with it).
 _MAX_SPLITK_N = 2048
 # Up to this many rows our dense form (qkv) and gated form (gate_up + SiLU-and-mul) run instead of
-# cuBLAS. Measured with TMA loads (scripts/bench_gemm_tiles.py, H200, Qwen3-0.6B, weights from HBM):
+# cuBLAS. Measured with TMA loads (H200, Qwen3-0.6B, weights from HBM):
 # qkv 4.9 / 5.0 / 6.0 us against cuBLAS 5.4 / 5.2 / 6.1 at 64 / 128 / 256 rows; gate_up 5.6 / 6.5 / 9.3
 # against 6.2 / 6.0 / 7.5 plus a 2.2 us SiLU-and-mul kernel.
 MAX_DENSE_M = 128  # measured end to end: from 129 rows on, cuBLAS's qkv is faster
@@ -64,7 +64,7 @@ def mainloop(a_desc, w_desc, m0, n0, k0, up_row, K_SPLIT: tl.constexpr, BM: tl.c
              BK: tl.constexpr, GATED: tl.constexpr):
     """The [BM, BN] fp32 tile at (m0, n0) of a @ w^T over k in [k0, k0 + K_SPLIT), and (GATED) the
     tile of rows n0 + up_row of w. Operands through TMA tensor descriptors (Hopper; plain loads
-    elsewhere): 10-25% faster than pointer loads at 64-256 rows (scripts/bench_gemm_tiles.py). Rows
+    elsewhere): 10-25% faster than pointer loads at 64-256 rows (H200). Rows
     past M and columns past N read as zeros; K_SPLIT is a multiple of BK: nothing masked along K."""
     acc = tl.zeros([BM, BN], tl.float32)
     acc_u = tl.zeros([BM, BN], tl.float32)
@@ -161,7 +161,7 @@ def partial_linear(x: torch.Tensor, weight: torch.Tensor, config: GemmConfig) ->
 def splitk_config(m: int, n: int, k: int) -> GemmConfig | None:
     """The split-K configuration for an [m, k] x [k, n] product, or None when split-K does not pay
     (m past _MAX_SPLITK_M, n past _MAX_SPLITK_N, or a k that does not divide into slices). A fixed
-    table (from scripts/bench_decode_gemm.py and scripts/sweep_gemm_stages.py on the H200, o_proj/down_proj
+    table (from scripts/tune_gemm.py on the H200, o_proj/down_proj
     of Qwen3-0.6B behind the kernels that precede them, where 4 slices of BK=128 won at every batch size
     up to 256); host-only, so CUDA-graph capture never benchmarks."""
     if m > _MAX_SPLITK_M or m == 0 or n > _MAX_SPLITK_N:
@@ -169,7 +169,7 @@ def splitk_config(m: int, n: int, k: int) -> GemmConfig | None:
     splits, bk = 4, 128
     if k % (splits * bk):
         return None
-    # Pipeline depths from scripts/sweep_gemm_stages.py, weights in HBM as in a model (the tiles were
+    # Pipeline depths from scripts/tune_gemm.py, weights in HBM as in a model (the tiles were
     # first tuned with L2-resident weights, which hide the latency that deeper pipelines cover). Net us,
     # o / down, old table -> this one: 32 rows 6.0 / 8.2 -> 5.1 / 6.4, 64 rows 5.0 / 6.5 -> 4.5 / 5.5,
     # 128 rows 5.8 / 7.0 -> 5.5 / 6.5, 256 rows 6.9 / 8.2 -> 6.6 / 7.5.
@@ -197,7 +197,7 @@ def dense_config(m: int, n: int, k: int, gated: bool = False) -> GemmConfig | No
     does better. From 17 rows on: 64-row tiles (one warpgroup's wgmma), 4 stages."""
     if m > (_MAX_GATED_M if gated else MAX_DENSE_M) or m == 0 or k % 128:
         return None
-    if m <= 16:  # 4 stages: gated 16 rows 6.5 us against 6.9 with 3 (weights in HBM, sweep_gemm_stages.py)
+    if m <= 16:  # 4 stages: gated 16 rows 6.5 us against 6.9 with 3 (weights in HBM, tune_gemm.py)
         return GemmConfig(1, 16, 32, 128, 4, 4 if gated else 3)
     if k > MAX_DENSE_K:
         return None

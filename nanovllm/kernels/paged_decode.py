@@ -212,7 +212,7 @@ def _decode_config(head_dim: int, group: int):
         return block_g, 128, 4, 3, False
     if block_d <= 128:
         # Block ids one tile ahead: the pipeliner then keeps two K/V tiles in flight instead of one
-        # (scripts/kernel_ir.py); measured on the H200 at 96-102% of copy bandwidth from 96
+        # (read off the compiled kernel's IR); measured on the H200 at 96-102% of copy bandwidth from 96
         # sequences up, and 3-25% faster than without below that (scripts/tune_decode.py --buckets).
         return block_g, 64, 4, 3, True
     return block_g, 32, 4, 2, False
@@ -223,10 +223,10 @@ def choose_num_splits(batch: int, num_q_heads: int, num_kv_heads: int, head_dim:
     """Number of KV splits per sequence; depends only on host-side shapes.
 
     Few items (sequence x KV head): about _ONE_WAVE_PROGRAMS_PER_SM programs per SM, one wave that
-    runs at once. Measured in the engine's decode graph on the H200 (scripts/ablate_step.py, contexts
+    runs at once. Measured in the engine's decode graph on the H200 (contexts
     of ~1,400-1,500 keys), ms per step against the earlier rule (~4 programs per SM, 1.3-1.6 waves):
     8 sequences 1.291 (5 splits) vs 1.357 (9), 16: 1.621 (2) vs 1.697 (5), 24 in the 32-row graph:
-    2.007 (2) vs 2.164 (3); scripts/probe_decode_ramp.py shows why: with equal programs, 1.3 waves
+    2.007 (2) vs 2.164 (3). Why: with equal programs, 1.3 waves
     read at 3.3-3.6 TB/s, one wave of ~2 per SM at 3.9-4.3. Up to _TWO_SPLITS_ITEMS_PER_SM items per SM
     at least two splits (48-64 sequences: 2.812 / 3.559 ms with two, 2.904 / 3.637 with one: ragged
     lengths in one wave wait for the longest). Never a split of fewer than ~_MIN_KEYS_PER_SPLIT keys

@@ -76,7 +76,7 @@ class QkvRopeConfig(NamedTuple):
 
 
 # Only for the hidden sizes measured (kernels/gemm.py's MAX_DENSE_K): a one-head program of a wider
-# model would have too many weights to stream. Measured with scripts/bench_qkv_rope.py (H200, Qwen3-0.6B,
+# model would have too many weights to stream. Measured on the H200 (Qwen3-0.6B,
 # us per layer, fused / our GEMM + rotary kernel / cuBLAS + rotary kernel): 16 rows 7.0 / 8.3 / 8.5,
 # 32: 6.9 / 7.5 / 9.1, 64: 7.2 / 7.7 / 9.1, 128: 7.4 / 7.9 / 8.5; 192: 8.5 / - / 9.8, 256: 8.5 / - / 10.5
 # (our plain dense GEMM stops at 128 rows, the fused kernel does not); 16-row tiles up to 64 rows, then 64.

@@ -58,7 +58,7 @@ def _exponential_from_bits(bits, FAST_LOG: tl.constexpr):
 def gumbel_max_scores(x, key, salt, cols, greedy, inv_t, FAST_LOG: tl.constexpr):
     """The draw's score of logits x (fp32) at token ids cols for rows with keys key / salt: x itself
     for greedy rows, else x / T - log(E), E the row's Exp(1) noise at that token (any broadcastable
-    shapes: the split pass below, and scripts/bench_lm_head_sample.py's GEMM epilogue)."""
+    shapes)."""
     bits = _mix32(_mix32(key ^ cols.to(tl.uint32)) ^ salt)
     exp1 = _exponential_from_bits(bits, FAST_LOG)
     if FAST_LOG:
@@ -151,7 +151,7 @@ class SampleConfig(NamedTuple):
     fast_log: bool        # lg2.approx logs (GPU only): changes a draw only where two scores tie to ~1e-5
 
 
-# Measured on the H200 (scripts/bench_sample.py, 151,936-token vocabulary): the pass is bound by the
+# Measured on the H200 (151,936-token vocabulary): the pass is bound by the
 # noise's instructions, and approximate logs halve it (256 rows: 151 -> 78 us; 64 rows: 42 -> 23 us).
 DEFAULT_SAMPLE_CONFIG = SampleConfig(16, 1024, 4, True, True)
 
@@ -168,7 +168,7 @@ def sample_rows(logits: torch.Tensor, temperatures: torch.Tensor, row_keys: torc
     """logits [B, V] (any float dtype, unit stride on V); temperatures [B] float32 (0: greedy);
     row_keys [B] int64 from `nanovllm.layers.sampler.row_keys`, or None with seeds and offsets
     [B] int64 to derive them in the kernel (same keys). Returns [B] int64 token ids.
-    _config: another `SampleConfig`, for scripts/bench_sample.py. On the GPU the default draws with
+    _config: another `SampleConfig`, for tuning. On the GPU the default draws with
     approximate logs: a row can then differ from the torch sampler's draw where its two best scores
     tie to ~1e-5 (the noise's float error), never otherwise."""
     batch, vocab_size = logits.shape

@@ -278,7 +278,7 @@ def sample_top_k_rows(logits: torch.Tensor, temperatures: torch.Tensor, top_k: t
     [1, max_top_k] (any value on greedy rows), max_top_k <= MAX_TOP_K; top_p [B] fp32 in (0, 1], or
     None for no top-p; row_keys [B] int64 (`nanovllm.layers.sampler.row_keys`); log_min_p [B] fp32,
     log(min_p) (-inf: off), or None for no min-p. Returns [B] int64 token ids. config: another
-    `TopKConfig`, for scripts/bench_sample_top_k.py."""
+    `TopKConfig`, for tuning."""
     from nanovllm.kernels.sample import fast_logf
     batch, vocab_size = logits.shape
     assert logits.dtype in (torch.float16, torch.bfloat16, torch.float32) and logits.stride(-1) == 1

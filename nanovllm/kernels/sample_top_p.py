@@ -129,7 +129,7 @@ def _nucleus_kernel(logits_ptr, stride_row, vocab_size, num_chunks, temps_ptr, t
 
 
 _MAX_CHUNKS = 64
-# Measured on the H200 (scripts/bench_sample_top_k.py, 151,936-token vocabulary): the one program
+# Measured on the H200 (151,936-token vocabulary): the one program
 # per row of the nucleus test, 4096 logits per tile and 16 warps.
 _NUCLEUS_BLOCK, _NUCLEUS_WARPS = 4096, 16
 # A test pass without the search pays only where almost no row fails it (H200, one call, rows ->

@@ -3,7 +3,7 @@
 cuBLAS picks a kernel per problem size, and the first launch of a kernel it has not used before
 costs the host tens of milliseconds. Measured on the H200: the LM head at sampled-row counts met
 nowhere before stalled two of bench.py's prefill steps by 60-73 ms in most first runs, and the
-last prefill step of `scripts/host_timing.py --prefill`'s first round, at a token count met
+last prefill step of a first round of the benchmark's prefills, at a token count met
 nowhere before, took 59 ms to launch against ~24 for its neighbours; with this warm-up neither
 happens. An eager step runs every projection at its token count
 (anything up to max_num_batched_tokens) and the LM head at its sampled-row count (up to

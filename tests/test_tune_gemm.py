@@ -1,4 +1,4 @@
-"""scripts/sweep_gemm_stages.py's variants (the sweep itself needs a GPU): the engine's table entry
+"""scripts/tune_gemm.py's variants (the sweep itself needs a GPU): the engine's table entry
 comes first, and every variant is a tile the kernels accept for that projection."""
 import os
 import sys
@@ -6,7 +6,7 @@ import sys
 import pytest
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "scripts"))
-import sweep_gemm_stages as sweep  # noqa: E402
+import tune_gemm as sweep  # noqa: E402
 
 
 @pytest.mark.parametrize("name", sorted(sweep.SHAPES))

@@ -1,14 +1,13 @@
 """Pipeline depths and tiles of the decode projections with the weights in HBM, as in a model.
 
-The engine's tile tables (kernels/gemm.py, kernels/qkv_rope.py) were first tuned with
-scripts/bench_decode_gemm.py, which reuses one weight tensor: at Qwen3-0.6B's sizes (4-13 MB) it
-stays in L2, so that tuning never saw HBM latency (this sweep re-tuned them: BENCHMARKS.md, tenth
-session). Here the weights rotate over COPIES copies (a projection's copies exceed L2), and each table
+The engine's tile tables (kernels/gemm.py, kernels/qkv_rope.py) come from this sweep. A sweep that
+reuses one weight tensor would measure L2, not HBM: at Qwen3-0.6B's sizes (4-13 MB) a projection's
+weights fit in L2. Here the weights rotate over COPIES copies (a projection's copies exceed L2), and each table
 entry is timed at other depths (num_stages) and tile depths (BK); split-K also at other widths and
 twice the slices, gate_up and qkv at other row (and column) tiles. Each call runs behind the kernel
 that precedes it in a layer (programmatic dependent launch), whose own time is subtracted ("net").
 
-    python scripts/sweep_gemm_stages.py [--m 1,16,32,64,128,192,256] [--only o,down,gate_up,qkv] [--jobs 14]
+    python scripts/tune_gemm.py [--m 1,16,32,64,128,192,256] [--only o,down,gate_up,qkv] [--jobs 14]
 
 cuBLAS: the projection with the op our kernel fuses (SiLU-and-mul, the residual-add RMSNorm);
 cuBLAS* (qkv): the projection alone, without the rotary kernel. table: the engine's entry (nan where
@@ -22,13 +21,21 @@ import sys
 
 import torch
 import torch.nn.functional as F
+import triton.testing
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 from nanovllm.kernels.fused_ops import fused_add_rms_norm, silu_and_mul  # noqa: E402
 from nanovllm.kernels.gemm import (GemmConfig, dense_config, gated_linear, partial_linear,  # noqa: E402
                                    splitk_config)
 from nanovllm.kernels.qkv_rope import qkv_rope_config, qkv_rope_store_kv  # noqa: E402
-from bench_gemm_tiles import COPIES, per_call_us  # noqa: E402  (scripts/ is sys.path[0])
+
+COPIES = 8  # weight copies a timed call rotates over: more than L2 holds, as the layers of a model
+
+
+def per_call_us(fn, copies: int = COPIES):
+    """fn(i) for each weight copy i, captured in one graph; microseconds per call."""
+    return triton.testing.do_bench_cudagraph(lambda: [fn(i) for i in range(copies)], rep=20) * 1e3 / copies
+
 
 HIDDEN, INTER, HQ, HKV, D = 1024, 3072, 16, 8, 128
 SHAPES = {"qkv": ((HQ + 2 * HKV) * D, HIDDEN), "gate_up": (2 * INTER, HIDDEN), "o": (HIDDEN, HQ * D),
