@@ -60,8 +60,9 @@ class RequestHandle:
 class AsyncLLMEngine:
     def __init__(self, config: Config, max_waiting: int = 1024, listener=None, engine_factory=None,
                  separate_process: bool = True):
-        """listener: optional object with `request_added(num_prompt_tokens)`, `tokens_generated(n)`
-        and `sequence_finished(FinishedSequence)` (server metrics), called off the event loop.
+        """listener: optional object with `record(events)` (server metrics), called off the event
+        loop with each dispatch's events for metrics, in order: the core's "stats", "tokens",
+        "token_gaps" and "finished" events (engine_core.py), and whatever kinds it adds later.
         engine_factory: builds the LLMEngine from the config (default LLMEngine; picklable when
         separate_process). separate_process=False runs the core on a thread of this process."""
         if isinstance(max_waiting, bool) or not isinstance(max_waiting, int) or max_waiting < 1:
@@ -76,7 +77,10 @@ class AsyncLLMEngine:
         self.dead: str | None = None  # why the engine stopped serving, if it broke
         self._commands: queue.SimpleQueue = queue.SimpleQueue()  # reentrant: safe from signal handlers
         self._handles: dict[str, RequestHandle] = {}  # requests the core may still answer
-        self._num_unacked = 0    # requests submitted but not yet taken in (touched on the event loop only)
+        # Requests on their way to the core: sent - lost - stats.num_requests_received, where
+        # both counts of the core's side come from the same snapshot as its num_waiting.
+        self._num_sent = 0       # "add" commands queued (event loop side)
+        self._num_lost = 0       # of them, never delivered (writer thread side)
         self._core: EngineCore | None = None  # thread mode only
         self._workers: list[threading.Thread] = []
         self._process = None
@@ -109,10 +113,11 @@ class AsyncLLMEngine:
             raise self._startup_error
         self.accepting = True
 
-    def begin_shutdown(self, reason: str = "the server is shutting down"):
-        """Stop taking requests and fail the ones in flight. Safe to call from a signal handler."""
+    def begin_shutdown(self):
+        """Stop taking requests and finish the ones in flight now, with what they generated so far
+        and finish_reason "abort". Safe to call from a signal handler."""
         self.accepting = False
-        self._commands.put(("abort_all", reason))
+        self._commands.put(("abort_all", None))
 
     def shutdown(self, timeout: float = 5.0):
         """Abort everything, stop the engine and release it."""
@@ -127,12 +132,9 @@ class AsyncLLMEngine:
         if self._process is not None:
             self._process.join(timeout)
             if self._process.is_alive():
-                logger.warning("the engine process did not stop within %.1fs: terminating it", timeout)
-                self._process.terminate()
-                self._process.join(2.0)
-                if self._process.is_alive():
-                    self._process.kill()
-                    self._process.join()
+                logger.warning("the engine process did not stop within %.1fs: killing it", timeout)
+                self._process.kill()  # it ignores SIGTERM (see _engine_process_main)
+                self._process.join()
         for worker in self._workers:
             worker.join(max(0.0, deadline - time.monotonic()))
             if worker.is_alive():
@@ -150,18 +152,34 @@ class AsyncLLMEngine:
         return self._workers[0].is_alive()
 
     @property
+    def num_in_flight(self) -> int:
+        """Requests submitted that the engine has not finished answering."""
+        return len(self._handles)
+
+    @property
     def engine(self):
         """The LLMEngine, when it runs on a thread of this process (tests reach into it)."""
         return self._core.engine if self._core is not None else None
 
     # ---- requests (event loop) ------------------------------------------------------------
+    @property
+    def num_waiting(self) -> int:
+        """Requests waiting for a batch slot: queued in the engine, or on their way to it."""
+        stats = self.stats  # one snapshot: its counts agree with each other
+        return stats.num_waiting + max(0, self._num_sent - self._num_lost - stats.num_requests_received)
+
     def check_capacity(self, num_requests: int = 1):
-        """Raise RequestRejected(503) when the engine cannot take num_requests more right now."""
+        """Raise RequestRejected: 400 when num_requests together could never be queued (more
+        than max_waiting), 503 when the engine cannot take them right now."""
+        if num_requests > self.max_waiting:
+            raise RequestRejected(f"this request holds {num_requests} prompts, more than the server queues at once "
+                                  f"(the limit is {self.max_waiting}, --max-waiting): send at most "
+                                  f"{self.max_waiting} per request", 400)
         if self.dead is not None:
             raise RequestRejected(f"the engine is unavailable: {self.dead}", 503)
         if not self.accepting:
             raise RequestRejected("the server is shutting down", 503)
-        waiting = self.stats.num_waiting + self._num_unacked
+        waiting = self.num_waiting
         if waiting + num_requests > self.max_waiting:
             raise RequestRejected(f"the server is overloaded: {waiting} requests are already waiting "
                                   f"(the limit is {self.max_waiting}); retry later", 503)
@@ -174,14 +192,10 @@ class AsyncLLMEngine:
         if not self.healthy:  # nobody would answer
             handle.accepted.set_exception(RequestRejected(f"the engine is unavailable: {self.dead or 'stopped'}", 503))
             return handle
-        self._num_unacked += 1
-        handle.accepted.add_done_callback(self._acked)
+        self._num_sent += 1
         self._handles[handle.request_id] = handle
         self._commands.put(("add", handle.request_id, token_ids, params, stream, handle.arrival_time))
         return handle
-
-    def _acked(self, _future):
-        self._num_unacked -= 1
 
     def abort(self, request_id: str):
         """Thread-safe and non-blocking; the engine frees the request's blocks."""
@@ -191,12 +205,13 @@ class AsyncLLMEngine:
     def _dispatch(self, events: list):
         """Apply one pass's events: statistics and metrics at once, deliveries to the event loops
         after them (one wake-up per loop), so a delivered acceptance is already counted."""
-        listener = self.listener
         by_loop: dict = {}
+        for_listener = []
         for event in events:
             kind = event[0]
             if kind == "stats":
                 self.stats = event[1]  # one assignment: readers always see a consistent snapshot
+                for_listener.append(event)
             elif kind in ("accept", "reject", "output"):
                 handle = self._handles.get(event[1])
                 if handle is None:
@@ -213,15 +228,6 @@ class AsyncLLMEngine:
                 by_loop.setdefault(handle.loop, []).append((handle, kind, value))
             elif kind == "aborted":
                 self._handles.pop(event[1], None)
-            elif kind == "added":
-                if listener is not None:
-                    listener.request_added(event[1])
-            elif kind == "tokens":
-                if listener is not None:
-                    listener.tokens_generated(event[1])
-            elif kind == "finished":
-                if listener is not None:
-                    listener.sequence_finished(event[1])
             elif kind == "dead":
                 self.dead = event[1]
                 self.accepting = False
@@ -230,6 +236,10 @@ class AsyncLLMEngine:
             elif kind == "startup_error":
                 self._startup_error = event[1]
                 self._ready.set()
+            else:  # for metrics: "tokens", "token_gaps", "finished", ...
+                for_listener.append(event)
+        if for_listener and self.listener is not None:
+            self.listener.record(for_listener)
         for loop, items in by_loop.items():
             try:
                 loop.call_soon_threadsafe(_deliver, items)
@@ -268,6 +278,7 @@ class AsyncLLMEngine:
                 self._conn.send(command)
             except (OSError, ValueError, pickle.PicklingError) as e:
                 if command[0] == "add":
+                    self._num_lost += 1
                     self._dispatch([("reject", command[1], f"the request could not be sent to the engine: {e}", 500)])
                 if isinstance(e, OSError):
                     return
@@ -384,9 +395,12 @@ class _PipeOutbox:
 
 
 def _engine_process_main(conn, config: Config, engine_factory, log_level: int):
-    """The engine process: one EngineCore over the pipe. Ctrl-C reaches the whole process group;
-    the parent decides how to shut down, so SIGINT is ignored here."""
+    """The engine process: one EngineCore over the pipe. Ctrl-C reaches the whole process group,
+    and service managers (systemd) send SIGTERM to every process of the service; the parent decides
+    how to shut down (a drain lets requests finish), so both are ignored here. The process stops
+    when told to, or when its parent is gone (the pipe closes)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     logging.basicConfig(level=log_level, format="%(levelname)s %(asctime)s %(name)s: %(message)s")
     outbox = _PipeOutbox(conn)
     try:

@@ -2,15 +2,20 @@
 
 `EngineCore` owns the engine and talks only in messages: it takes commands from an inbox
 (``("add", request_id, token_ids, params, stream, arrival_time)``, ``("abort", request_id)``,
-``("abort_all", reason)``, ``("stop", None)``) and hands out, once per pass of its loop, one list
-of events (``emit``):
+``("abort_all", None)``: finish every request now, finish_reason "abort", ``("stop", None)``) and
+hands out, once per pass of its loop, one list of events (``emit``):
 
     ("ready", None) | ("startup_error", exception)            once, first
     ("stats", EngineStats)                                    before the deliveries of a pass
     ("accept", request_id, num_prompt_tokens) | ("reject", request_id, message, status)
     ("output", request_id, RequestOutput)                     new tokens/text, or the final output
     ("aborted", request_id)                                   an abort was carried out
-    ("added", num_prompt_tokens) | ("tokens", n) | ("finished", FinishedSequence)   for metrics
+    ("tokens", prompt_tokens, generated_tokens)               for metrics: prompts whose first token
+                                                              came, and tokens generated, this pass
+    ("ttft", [seconds, ...])                                  arrival to first token, per sequence
+    ("token_gaps", [(seconds, n), ...])                       n tokens each came `seconds` after the
+                                                              previous token of their sequence
+    ("finished", FinishedSequence)                            a completion ended (metrics)
     ("dead", reason)                                          the engine broke: nothing more comes
 
 So the same loop runs on a thread of the server process or in a process of its own
@@ -35,17 +40,18 @@ _MAX_CONSECUTIVE_STEP_ERRORS = 3  # after this many failed steps in a row the en
 
 class FinishedSequence(NamedTuple):
     """What metrics need of a completion that ended (finished, stopped or aborted)."""
-    finish_reason: str | None   # None: aborted
+    finish_reason: str          # "stop", "length" or "abort" (cancelled, failed or cut short)
     arrival_time: float         # time.perf_counter() values (CLOCK_MONOTONIC: one clock per host)
     first_scheduled_time: float | None
     first_token_time: float | None
-    num_tokens: int
+    num_prompt_tokens: int
+    num_tokens: int             # completion tokens
     time: float
 
 
 class _Tracked:
     """The core's record of a request it is serving."""
-    __slots__ = ("seqs", "stream", "sent", "sent_logprobs", "done")
+    __slots__ = ("seqs", "stream", "sent", "sent_logprobs", "done", "last_token_time", "prefilled")
 
     def __init__(self, seqs: list[Sequence], stream: bool):
         self.seqs = seqs
@@ -53,6 +59,29 @@ class _Tracked:
         self.sent = [0] * len(seqs)           # completion tokens already counted/pushed, per sequence
         self.sent_logprobs = [0] * len(seqs)  # logprob entries already pushed, per sequence
         self.done = [False] * len(seqs)
+        self.last_token_time = [0.0] * len(seqs)  # when each sequence's latest token became known
+        self.prefilled = False  # a first token came: the prompt counts as processed
+
+
+class _PassCounts:
+    """What one pass of the loop counts for metrics (see the "tokens", "ttft" and "token_gaps" events)."""
+    __slots__ = ("prefilled", "generated", "gaps", "ttfts")
+
+    def __init__(self):
+        self.prefilled = 0   # prompt tokens of requests whose first token came
+        self.generated = 0   # tokens generated
+        self.gaps: dict = {}  # (time of a sequence's previous token, its new tokens) -> sequences
+        self.ttfts: list[float] = []  # seconds from arrival to first token, per sequence that got one
+
+    def events(self, now: float) -> list:
+        events = []
+        if self.prefilled or self.generated:
+            events.append(("tokens", self.prefilled, self.generated))
+        if self.ttfts:
+            events.append(("ttft", self.ttfts))
+        if self.gaps:  # k tokens that came together after a gap: k gaps of gap / k
+            events.append(("token_gaps", [((now - last) / k, n * k) for (last, k), n in self.gaps.items()]))
+        return events
 
 
 class EngineCore:
@@ -68,6 +97,7 @@ class EngineCore:
         self._tracked: dict[str, _Tracked] = {}
         self._events: list = []
         self._consecutive_errors = 0
+        self._num_received = 0  # "add" commands taken in
         self._timing = [0, 0.0, 0.0, 0.0]  # steps, seconds in engine.step(), in _collect(), in emit
 
     def run(self):
@@ -142,12 +172,14 @@ class EngineCore:
             elif kind == "abort":
                 self._abort(command[1])
             elif kind == "abort_all":
-                self._fail_all(command[1], 503)
+                for request_id in list(self._tracked):
+                    self._finish_aborted(request_id)
             elif kind == "stop":
                 stop = True
         return stop
 
     def _add(self, request_id: str, token_ids, params, stream: bool, arrival_time: float):
+        self._num_received += 1
         try:
             ids = self.engine.tokenize(token_ids)
             seqs = self.engine.add_request(request_id, ids, params)
@@ -163,7 +195,6 @@ class EngineCore:
             if stream:
                 self.engine.output_processor.watch(seq)  # before its first token
         self._tracked[request_id] = _Tracked(seqs, stream)
-        self._events.append(("added", len(ids)))
         self._events.append(("accept", request_id, len(ids)))
 
     def _abort(self, request_id: str):
@@ -172,6 +203,20 @@ class EngineCore:
             self.engine.abort_request(request_id)
             self._count_finished(tracked)
         self._events.append(("aborted", request_id))
+
+    def _finish_aborted(self, request_id: str):
+        """End a request now, as if it had finished: what it generated so far is its output, with
+        finish_reason "abort" for the sequences that had not finished (a drain that ran out of time)."""
+        tracked = self._tracked[request_id]
+        self.engine.abort_request(request_id)
+        for i, seq in enumerate(tracked.seqs):
+            detok = getattr(seq, "detokenizer", None)
+            if not tracked.done[i] and detok is not None:
+                detok.unread += detok.flush()  # text held back for a stop string is final now
+        counts = _PassCounts()
+        now = time.perf_counter()
+        self._collect_request(request_id, tracked, now, self.engine.output_processor, counts)
+        self._events += counts.events(now)
 
     def _fail_all(self, message: str, status: int):
         for request_id in list(self._tracked):
@@ -218,37 +263,52 @@ class EngineCore:
     def _collect(self):
         """Emit each request's new tokens/text, and its final output once all its sequences are done."""
         processor = self.engine.output_processor
-        events = self._events
         now = time.perf_counter()
-        generated = 0
+        counts = _PassCounts()
         for request_id, t in list(self._tracked.items()):
-            deltas = []
-            for i, seq in enumerate(t.seqs):
-                if t.done[i]:
-                    continue
-                # Tokens of a step still in flight (GPU overlap) are placeholders: not yet known.
-                known = seq.num_completion_tokens - seq.num_pending_tokens
-                start = seq.num_prompt_tokens
-                new_ids = seq.token_ids[start + t.sent[i]:start + known]
-                t.sent[i] = known
-                generated += len(new_ids)
-                finished = seq.is_finished
-                if finished:
-                    t.done[i] = True
-                    events.append(("finished", _finished(seq, now)))
-                if t.stream and (new_ids or finished):
-                    deltas.append(self._delta(t, i, seq, new_ids, processor.take_delta(seq)))
-            all_done = all(t.done)
-            if all_done:
-                del self._tracked[request_id]
-                if not t.stream:
-                    deltas = [self._final(seq, processor) for seq in t.seqs]
-            if deltas or all_done:
-                first = t.seqs[0]
-                events.append(("output", request_id, RequestOutput(request_id, deltas, all_done,
-                                                                   first.num_prompt_tokens, first.num_cached_tokens)))
-        if generated:
-            events.append(("tokens", generated))
+            self._collect_request(request_id, t, now, processor, counts)
+        self._events += counts.events(now)
+
+    def _collect_request(self, request_id: str, t: _Tracked, now: float, processor, counts: "_PassCounts"):
+        """One request's part of _collect."""
+        events = self._events
+        deltas = []
+        for i, seq in enumerate(t.seqs):
+            if t.done[i]:
+                continue
+            # Tokens of a step still in flight (GPU overlap) are placeholders: not yet known.
+            known = seq.num_completion_tokens - seq.num_pending_tokens
+            start = seq.num_prompt_tokens
+            new_ids = seq.token_ids[start + t.sent[i]:start + known]
+            if new_ids:
+                if t.sent[i]:
+                    # Keyed by the previous token's time: sequences decoding in step share a key.
+                    key = (t.last_token_time[i], len(new_ids))
+                    counts.gaps[key] = counts.gaps.get(key, 0) + 1
+                else:
+                    if seq.first_token_time is not None:
+                        counts.ttfts.append(seq.first_token_time - seq.arrival_time)
+                    if not t.prefilled:
+                        t.prefilled = True
+                        counts.prefilled += seq.num_prompt_tokens
+                t.last_token_time[i] = now
+                counts.generated += len(new_ids)
+            t.sent[i] = known
+            finished = seq.is_finished
+            if finished:
+                t.done[i] = True
+                events.append(("finished", _finished(seq, now)))
+            if t.stream and (new_ids or finished):
+                deltas.append(self._delta(t, i, seq, new_ids, processor.take_delta(seq)))
+        all_done = all(t.done)
+        if all_done:
+            del self._tracked[request_id]
+            if not t.stream:
+                deltas = [self._final(seq, processor) for seq in t.seqs]
+        if deltas or all_done:
+            first = t.seqs[0]
+            events.append(("output", request_id, RequestOutput(request_id, deltas, all_done,
+                                                               first.num_prompt_tokens, first.num_cached_tokens)))
 
     @staticmethod
     def _delta(t: _Tracked, i: int, seq: Sequence, new_ids: list[int], text: str) -> CompletionOutput:
@@ -272,7 +332,7 @@ class EngineCore:
             if not t.done[i]:
                 known = max(seq.num_completion_tokens - seq.num_pending_tokens, 0)
                 if known > t.sent[i]:
-                    self._events.append(("tokens", known - t.sent[i]))
+                    self._events.append(("tokens", 0, known - t.sent[i]))
                 self._events.append(("finished", _finished(seq, now, aborted=True)))
 
     def _publish_stats(self):
@@ -280,8 +340,9 @@ class EngineCore:
         bm = self.engine.block_manager
         running = {seq.request_id for seq in sched.running}
         waiting = {seq.request_id for seq in sched.waiting} - running
-        self._events.append(("stats", EngineStats(len(running), len(waiting), bm.usage, bm.prefix_queries,
-                                                  bm.prefix_hits, sched.num_preemptions, *self._timing)))
+        self._events.append(("stats", EngineStats(len(running), len(waiting), bm.usage, self._num_received,
+                                                  bm.prefix_queries, bm.prefix_hits, sched.num_preemptions,
+                                                  *self._timing)))
 
     def _flush(self):
         events, self._events = self._events, []
@@ -294,5 +355,5 @@ class EngineCore:
 
 def _finished(seq: Sequence, now: float, aborted: bool = False) -> FinishedSequence:
     known = max(seq.num_completion_tokens - seq.num_pending_tokens, 0)
-    return FinishedSequence(None if aborted else seq.finish_reason, seq.arrival_time, seq.first_scheduled_time,
-                            seq.first_token_time, known, now)
+    return FinishedSequence("abort" if aborted else seq.finish_reason or "abort", seq.arrival_time,
+                            seq.first_scheduled_time, seq.first_token_time, seq.num_prompt_tokens, known, now)
