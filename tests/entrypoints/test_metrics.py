@@ -50,7 +50,8 @@ def test_names_types_labels_and_values_from_engine_events():
         assert {s.labels["engine"] for s in families[name].samples} == {"0", "1"}, name
     assert "vllm:prompt_tokens_total" in body.decode() and "_created" not in body.decode()
     m = engine_samples(body.decode())
-    assert (m["vllm:num_requests_running"], m["vllm:num_requests_waiting"], m["vllm:kv_cache_usage_perc"]) == (3, 2, 0.25)
+    gauges = ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc")
+    assert [m[name] for name in gauges] == [3, 2, 0.25]
     assert (m["vllm:prefix_cache_queries_total"], m["vllm:prefix_cache_hits_total"]) == (100, 40)
     assert m["vllm:num_preemptions_total"] == 1 and m["nanovllm:engine_steps_total"] == 9
     assert (m["vllm:prompt_tokens_total"], m["vllm:generation_tokens_total"]) == (7, 5)
@@ -71,7 +72,8 @@ def test_names_types_labels_and_values_from_engine_events():
     for name in ("inter_token_latency", "time_per_output_token"):
         assert m[f"vllm:{name}_seconds_count"] == 65
         assert abs(m[f"vllm:{name}_seconds_sum"] - (64 * 0.004 + 0.5)) < 1e-9
-        assert m[f'vllm:{name}_seconds_bucket{{le="0.005"}}'] == 64 and m[f'vllm:{name}_seconds_bucket{{le="+Inf"}}'] == 65
+        assert m[f'vllm:{name}_seconds_bucket{{le="0.005"}}'] == 64
+        assert m[f'vllm:{name}_seconds_bucket{{le="+Inf"}}'] == 65
     # OpenMetrics for a scraper that asks for it.
     body, content_type = metrics.render("application/openmetrics-text; version=1.0.0")
     assert content_type.startswith("application/openmetrics-text") and body.endswith(b"# EOF\n")

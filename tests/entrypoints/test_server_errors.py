@@ -101,7 +101,7 @@ def _post_raw(server, endpoint: str, body: bytes):
     return httpx.post(server.url + path, content=body, headers={"Content-Type": "application/json"}, timeout=30)
 
 
-@pytest.mark.parametrize("endpoint, body, param, path", NOT_TEXT, ids=[c[3] + "-" + str(i) for i, c in enumerate(NOT_TEXT)])
+@pytest.mark.parametrize("endpoint, body, param, path", NOT_TEXT, ids=[f"{c[3]}-{i}" for i, c in enumerate(NOT_TEXT)])
 def test_strings_that_are_not_text_are_400s_naming_the_field(tiny_server, endpoint, body, param, path):
     _check_error(_post_raw(tiny_server, endpoint, body), 400, param, path)
 
@@ -114,7 +114,8 @@ def test_a_valid_surrogate_pair_is_text(tiny_server):
 # ---- numbers: seeds in range, finite floats within bounds -----------------------------------------
 @pytest.mark.parametrize("seed", [2**63, 2**64, 2**64 - 1, 2**80, -2**63 - 1])
 def test_seeds_outside_signed_64_bits_are_400s(tiny_server, seed):
-    r = httpx.post(tiny_server.url + "/v1/completions", json={"prompt": "hi", "max_tokens": 1, "seed": seed}, timeout=30)
+    body = {"prompt": "hi", "max_tokens": 1, "seed": seed}
+    r = httpx.post(tiny_server.url + "/v1/completions", json=body, timeout=30)
     _check_error(r, 400, "seed", "seed must be an integer in [-2**63, 2**63-1]")
 
 

@@ -145,11 +145,11 @@ def build_app(engine: AsyncLLMEngine, model_names: list[str], metrics: ServerMet
     # Bodies are parsed here, not by FastAPI: strict JSON (request_body.py).
     @app.post("/v1/completions")
     async def completions(raw: Request):
-        return await serving.completions(parse_request(await raw.body(), CompletionRequest), raw)
+        return await serving.completions(await parse_request(await raw.body(), CompletionRequest), raw)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(raw: Request):
-        return await serving.chat(parse_request(await raw.body(), ChatCompletionRequest), raw)
+        return await serving.chat(await parse_request(await raw.body(), ChatCompletionRequest), raw)
 
     app.add_middleware(GuardMiddleware, api_key=api_key, max_body_bytes=max_body_bytes, body_timeout=body_timeout,
                        admission=admission)
@@ -167,9 +167,10 @@ def run_server(args) -> int:
     from nanovllm.models.default_model import DEFAULT_MODEL_NAME
 
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(asctime)s %(name)s: %(message)s")
+    limit = args.limit_concurrency
     for name, value, low in (("--port", args.port, 0), ("--max-waiting", args.max_waiting, 1),
                              ("--max-body-bytes", args.max_body_bytes, 1),
-                             ("--limit-concurrency", 1 if args.limit_concurrency is None else args.limit_concurrency, 1)):
+                             ("--limit-concurrency", 1 if limit is None else limit, 1)):
         if value < low:
             raise ValueError(f"{name} must be >= {low}, got {value}")
     for name in ("timeout_keep_alive", "timeout_header", "timeout_body", "shutdown_timeout"):

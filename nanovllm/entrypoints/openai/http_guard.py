@@ -1,7 +1,7 @@
 """What every HTTP request passes before the app, as plain ASGI: authentication, the drain, the
 body's size bound and read timeout; and the memory a huge body leaves behind, given back.
 
-The body is read here, up to its bound, and replayed to the app; a Content-Length over the bound
+The body is read here, up to its bound, then replayed to the app; a Content-Length over the bound
 is refused without reading, and a body that stops arriving gets 408. Either way an endless or
 stalled upload holds neither memory nor a connection for long.
 """
@@ -72,14 +72,11 @@ class GuardMiddleware:
                 return await send_error(send, too_large)
             chunks.append(body)
             more = message.get("more_body", False)
-        body = chunks[0] if len(chunks) == 1 else b"".join(chunks)
-        del chunks
+        chunks.reverse()
 
-        async def replay():
-            nonlocal body
-            if body is not None:
-                message, body = {"type": "http.request", "body": body, "more_body": False}, None
-                return message
+        async def replay():  # the chunks as they came (the app joins them: one copy, not two)
+            if chunks:
+                return {"type": "http.request", "body": chunks.pop(), "more_body": bool(chunks)}
             return await receive()  # then: the disconnect, which the handlers watch for
         if counted:
             self.admission.in_flight += 1

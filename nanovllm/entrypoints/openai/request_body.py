@@ -3,97 +3,96 @@
 Python's json module (what FastAPI parses with) takes more than JSON allows: NaN and Infinity, and
 strings that are not text, lone UTF-16 surrogates, from an escape (`"\\ud800"`) or from their
 CESU-8 bytes (ED A0 80, decoded with 'surrogatepass'). pydantic hands those on, and a lone
-surrogate then fails deep inside: in the tokenizer, or in an error message that echoes it. Here a
-body is UTF-8, its strings are text and its numbers are numbers; the usual body costs one strict
-decode, one substring test and json.loads.
+surrogate then fails deep inside: in the tokenizer, or in an error message that echoes it. Here
+bodies go through pydantic-core's parser (jiter): strict UTF-8 and JSON, and faster than json's
+(a body of two million token ids: 0.18 s against 0.29 s, on the event loop). When it refuses a
+body, a lenient second parse finds the field to name.
 """
+import asyncio
 import json
 import re
 
 from pydantic import BaseModel, ValidationError
+from pydantic_core import from_json
 
 from nanovllm.entrypoints.openai.protocol import APIError
 
-_SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F][0-9a-fA-F]{2}")  # in the JSON text (pairs too)
+_EXPLAIN_ON_LOOP_BELOW = 64 << 10  # bytes
 _SURROGATE = re.compile("[\ud800-\udfff]")  # in a decoded string: never paired there
 
 
 class _NonFinite:
-    """What json.loads makes of NaN, Infinity and -Infinity here, so they can be found and named."""
+    """What the lenient parse makes of NaN, Infinity and -Infinity, so they can be found and named."""
 
     def __init__(self, literal: str):
         self.literal = literal
 
 
-def parse_request(body: bytes, model: type[BaseModel]) -> BaseModel:
+async def parse_request(body: bytes, model: type[BaseModel]) -> BaseModel:
     """The body as `model`, or APIError(400) naming what is wrong."""
-    data = parse_json(body)
+    try:
+        data = from_json(body, allow_inf_nan=False)
+    except ValueError as e:
+        # The second parse and the walk take a while on a large body: off the event loop then.
+        if len(body) < _EXPLAIN_ON_LOOP_BELOW:
+            raise _explain(body, str(e)) from None
+        raise await asyncio.to_thread(_explain, body, str(e)) from None
     try:
         return model.model_validate(data)
     except ValidationError as e:
         raise validation_error(e.errors()) from None
 
 
-def parse_json(body: bytes):
-    non_finite = []
-
-    def constant(literal: str):
-        non_finite.append(literal)
-        return _NonFinite(literal)
-
+def _explain(body: bytes, message: str) -> APIError:
+    """Why the strict parser refused body, naming the field where it can: parsed again leniently
+    (bytes that are not UTF-8 become lone surrogates, NaN and infinities markers)."""
     try:
-        text = body.decode("utf-8")
-    except UnicodeDecodeError:
-        # Name the field the bad bytes are in: undecodable bytes become lone surrogates here.
-        text = body.decode("utf-8", "surrogateescape")
-        data = _loads(text, constant)
-        path = _find(data, _not_text)
-        raise APIError(f"{path}: not valid UTF-8 text" if path else "the body is not valid UTF-8",
-                       param=_field(path)) from None
-    data = _loads(text, constant)
-    if "\\u" in text and _SURROGATE_ESCAPE.search(text):
-        path = _find(data, _not_text)
-        if path is not None:
-            raise APIError(f"{path}: the string holds a lone UTF-16 surrogate, which is not text", param=_field(path))
-    if non_finite:
-        path = _find(data, lambda v: isinstance(v, _NonFinite))
-        raise APIError(f"{path}: {non_finite[0]} is not a JSON number (JSON has no NaN or infinities)",
-                       param=_field(path))
-    return data
-
-
-def _loads(text: str, constant):
-    try:
-        return json.loads(text, parse_constant=constant)
-    except json.JSONDecodeError as e:
-        raise APIError(f"the body is not valid JSON: {e.msg} (line {e.lineno}, column {e.colno})") from None
-    except RecursionError:
-        raise APIError("the body is not valid JSON: nested too deeply") from None
+        data = json.loads(body.decode("utf-8", "surrogateescape"), parse_constant=_NonFinite)
+    except (json.JSONDecodeError, RecursionError):
+        return APIError(f"the body is not valid JSON: {message}")
+    found = _find(data, _not_text)
+    if found is not None:
+        return APIError(f"{found[0]}: the string is not valid Unicode text (a lone UTF-16 surrogate, or bytes "
+                        "that are not UTF-8)", param=_field(found[0]))
+    found = _find(data, lambda v: isinstance(v, _NonFinite))
+    if found is not None:
+        return APIError(f"{found[0]}: {found[1].literal} is not a JSON number (JSON has no NaN or infinities)",
+                        param=_field(found[0]))
+    return APIError(f"the body is not valid JSON: {message}")
 
 
 def _not_text(value) -> bool:
     return isinstance(value, str) and not value.isascii() and _SURROGATE.search(value) is not None
 
 
-def _find(data, bad) -> str | None:
-    """Where in data a value (or key) with bad(value) is, as `messages[0].content`."""
+def _find(data, bad) -> tuple[str, object] | None:
+    """Where in data a value (or key) with bad(value) is, as `messages[0].content`, and the value.
+    Paths are spelled only for containers and the find: a body of millions of token ids is walked
+    at a few tens of nanoseconds an id."""
+    if not isinstance(data, (dict, list)):
+        return ("the body", data) if bad(data) else None
     stack = [("", data)]
     while stack:
         path, value = stack.pop()
-        if isinstance(value, dict):
-            items = ((f"{path}.{key}" if path else str(key), key, item) for key, item in value.items())
-        elif isinstance(value, list):
-            items = ((f"{path}[{i}]", None, item) for i, item in enumerate(value))
-        else:
-            if bad(value):
-                return path or "the body"
-            continue
         nested = []
-        for where, key, item in items:
-            if isinstance(item, (dict, list)):
-                nested.append((where, item))
-            elif bad(item) or (key is not None and bad(key)):
-                return where
+        if isinstance(value, dict):
+            for key, item in value.items():
+                where = f"{path}.{key}" if path else str(key)
+                if bad(key):
+                    return where, key
+                if isinstance(item, (dict, list)):
+                    nested.append((where, item))
+                elif bad(item):
+                    return where, item
+        else:
+            for i, item in enumerate(value):
+                kind = type(item)
+                if kind is int:
+                    continue
+                if kind is dict or kind is list:
+                    nested.append((f"{path}[{i}]", item))
+                elif bad(item):
+                    return f"{path}[{i}]", item
         stack.extend(reversed(nested))
     return None
 

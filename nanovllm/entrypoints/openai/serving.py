@@ -127,6 +127,9 @@ class OpenAIServing:
                     raise APIError("this model has no tokenizer: send prompts as token ids", param="prompt")
                 self.tokenize_pool.check_length(len(p), "prompt")
                 p = self.tokenizer.encode(p)
+            if len(p) >= self.max_model_len:  # as the engine would say, without shipping it there
+                raise APIError(f"prompt has {len(p)} tokens but max_model_len is {self.max_model_len}; the prompt "
+                               "must leave room for at least one generated token", param="prompt")
             token_ids.append(list(p))
         return token_ids
 
