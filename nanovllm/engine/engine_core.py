@@ -63,27 +63,6 @@ class _Tracked:
         self.prefilled = False  # a first token came: the prompt counts as processed
 
 
-class _PassCounts:
-    """What one pass of the loop counts for metrics (see the "tokens", "ttft" and "token_gaps" events)."""
-    __slots__ = ("prefilled", "generated", "gaps", "ttfts")
-
-    def __init__(self):
-        self.prefilled = 0   # prompt tokens of requests whose first token came
-        self.generated = 0   # tokens generated
-        self.gaps: dict = {}  # (time of a sequence's previous token, its new tokens) -> sequences
-        self.ttfts: list[float] = []  # seconds from arrival to first token, per sequence that got one
-
-    def events(self, now: float) -> list:
-        events = []
-        if self.prefilled or self.generated:
-            events.append(("tokens", self.prefilled, self.generated))
-        if self.ttfts:
-            events.append(("ttft", self.ttfts))
-        if self.gaps:  # k tokens that came together after a gap: k gaps of gap / k
-            events.append(("token_gaps", [((now - last) / k, n * k) for (last, k), n in self.gaps.items()]))
-        return events
-
-
 class EngineCore:
     def __init__(self, config: Config, inbox, emit, engine_factory=None):
         """inbox: `get()` (blocking) and `get_nowait()` (raises queue.Empty) returning commands;
@@ -213,10 +192,7 @@ class EngineCore:
             detok = getattr(seq, "detokenizer", None)
             if not tracked.done[i] and detok is not None:
                 detok.unread += detok.flush()  # text held back for a stop string is final now
-        counts = _PassCounts()
-        now = time.perf_counter()
-        self._collect_request(request_id, tracked, now, self.engine.output_processor, counts)
-        self._events += counts.events(now)
+        self._collect([(request_id, tracked)])
 
     def _fail_all(self, message: str, status: int):
         for request_id in list(self._tracked):
@@ -260,55 +236,65 @@ class EngineCore:
         if self._consecutive_errors >= _MAX_CONSECUTIVE_STEP_ERRORS:
             self._die(f"{self._consecutive_errors} engine steps failed in a row; last: {message}")
 
-    def _collect(self):
-        """Emit each request's new tokens/text, and its final output once all its sequences are done."""
+    def _collect(self, requests: list | None = None):
+        """Emit each request's new tokens/text, and its final output once all its sequences are done
+        (requests: (request_id, _Tracked) pairs; default: all). For metrics, a sequence's new token
+        is counted by the time of its previous one: the sequences decoding in step share that key,
+        so the gaps of a pass are a few (seconds, count) pairs however many streams decode."""
         processor = self.engine.output_processor
-        now = time.perf_counter()
-        counts = _PassCounts()
-        for request_id, t in list(self._tracked.items()):
-            self._collect_request(request_id, t, now, processor, counts)
-        self._events += counts.events(now)
-
-    def _collect_request(self, request_id: str, t: _Tracked, now: float, processor, counts: "_PassCounts"):
-        """One request's part of _collect."""
         events = self._events
-        deltas = []
-        for i, seq in enumerate(t.seqs):
-            if t.done[i]:
-                continue
-            # Tokens of a step still in flight (GPU overlap) are placeholders: not yet known.
-            known = seq.num_completion_tokens - seq.num_pending_tokens
-            start = seq.num_prompt_tokens
-            new_ids = seq.token_ids[start + t.sent[i]:start + known]
-            if new_ids:
-                if t.sent[i]:
-                    # Keyed by the previous token's time: sequences decoding in step share a key.
-                    key = (t.last_token_time[i], len(new_ids))
-                    counts.gaps[key] = counts.gaps.get(key, 0) + 1
-                else:
-                    if seq.first_token_time is not None:
-                        counts.ttfts.append(seq.first_token_time - seq.arrival_time)
-                    if not t.prefilled:
-                        t.prefilled = True
-                        counts.prefilled += seq.num_prompt_tokens
-                t.last_token_time[i] = now
-                counts.generated += len(new_ids)
-            t.sent[i] = known
-            finished = seq.is_finished
-            if finished:
-                t.done[i] = True
-                events.append(("finished", _finished(seq, now)))
-            if t.stream and (new_ids or finished):
-                deltas.append(self._delta(t, i, seq, new_ids, processor.take_delta(seq)))
-        all_done = all(t.done)
-        if all_done:
-            del self._tracked[request_id]
-            if not t.stream:
-                deltas = [self._final(seq, processor) for seq in t.seqs]
-        if deltas or all_done:
-            first = t.seqs[0]
-            events.append(("output", request_id, RequestOutput(request_id, deltas, all_done,
-                                                               first.num_prompt_tokens, first.num_cached_tokens)))
+        now = time.perf_counter()
+        gaps: dict[float, int] = {}   # time of a sequence's previous token -> sequences with one new
+        spread = []                   # (seconds, n): n tokens that came together, an equal share each
+        ttfts = []
+        prefilled = generated = 0
+        for request_id, t in (list(self._tracked.items()) if requests is None else requests):
+            deltas = []
+            sent, last_token_time = t.sent, t.last_token_time
+            for i, seq in enumerate(t.seqs):
+                if t.done[i]:
+                    continue
+                # Tokens of a step still in flight (GPU overlap) are placeholders: not yet known.
+                known = seq.num_completion_tokens - seq.num_pending_tokens
+                start = seq.num_prompt_tokens
+                new_ids = seq.token_ids[start + sent[i]:start + known]
+                if new_ids:
+                    n = len(new_ids)
+                    generated += n
+                    if not sent[i]:
+                        if seq.first_token_time is not None:
+                            ttfts.append(seq.first_token_time - seq.arrival_time)
+                        if not t.prefilled:
+                            t.prefilled = True
+                            prefilled += start
+                    elif n == 1:
+                        last = last_token_time[i]
+                        gaps[last] = gaps.get(last, 0) + 1
+                    else:
+                        spread.append(((now - last_token_time[i]) / n, n))
+                    last_token_time[i] = now
+                sent[i] = known
+                finished = seq.is_finished
+                if finished:
+                    t.done[i] = True
+                    events.append(("finished", _finished(seq, now)))
+                if t.stream and (new_ids or finished):
+                    deltas.append(self._delta(t, i, seq, new_ids, processor.take_delta(seq)))
+            all_done = all(t.done)
+            if all_done:
+                del self._tracked[request_id]
+                if not t.stream:
+                    deltas = [self._final(seq, processor) for seq in t.seqs]
+            if deltas or all_done:
+                first = t.seqs[0]
+                events.append(("output", request_id, RequestOutput(request_id, deltas, all_done,
+                                                                   first.num_prompt_tokens, first.num_cached_tokens)))
+        if prefilled or generated:
+            events.append(("tokens", prefilled, generated))
+        if ttfts:
+            events.append(("ttft", ttfts))
+        if gaps or spread:
+            events.append(("token_gaps", [(now - last, n) for last, n in gaps.items()] + spread))
 
     @staticmethod
     def _delta(t: _Tracked, i: int, seq: Sequence, new_ids: list[int], text: str) -> CompletionOutput:
