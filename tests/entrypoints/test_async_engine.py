@@ -292,3 +292,25 @@ def test_begin_shutdown_finishes_requests_with_what_they_have(engine):
     assert engine.stats.kv_cache_usage == 0 and engine.num_in_flight == 0
     with pytest.raises(RequestRejected, match="shutting down"):
         engine.check_capacity(1)
+
+
+def test_a_stream_cut_by_a_failure_ends_with_final_chunks_then_the_error(engine):
+    """Through the app: the failed step's stream still ends as a stream should (finish_reason
+    "abort", the usage chunk it asked for), then names the failure, then [DONE]."""
+    import json
+    app = build_app(engine, ["tiny"])
+
+    async def main():
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://x", timeout=30) as c:
+            body = {"prompt": [5, 6, 7], "max_tokens": 50, "ignore_eos": True, "stream": True,
+                    "stream_options": {"include_usage": True}}
+            engine.engine.failures = 1
+            r = await c.post("/v1/completions", json=body)
+            return r.status_code, [line[6:] for line in r.text.splitlines() if line.startswith("data: ")]
+    status, events = asyncio.run(main())
+    assert status == 200 and events[-1] == "[DONE]"
+    chunks = [json.loads(e) for e in events[:-1]]
+    error = chunks.pop()
+    assert error["error"]["type"] == "server_error" and "injected failure" in error["error"]["message"]
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["prompt_tokens"] == 3
+    assert [c["finish_reason"] for chunk in chunks for c in chunk["choices"] if c["finish_reason"]] == ["abort"]

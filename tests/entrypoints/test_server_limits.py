@@ -91,6 +91,7 @@ def test_waiting_queue_bound(server):
         client.completions.create(model=model, prompt="hi", max_tokens=1)
     # The count is true: exactly the ones waiting.
     assert e.value.status_code == 503 and f"{MAX_WAITING} requests are already waiting" in str(e.value)
+    assert int(e.value.response.headers["retry-after"]) > 0
     assert server.metrics()["vllm:num_requests_waiting"] == MAX_WAITING
     running.close()
     for w in waiting:

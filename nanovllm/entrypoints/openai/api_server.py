@@ -20,7 +20,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from nanovllm.config import Config
 from nanovllm.engine.async_engine import AsyncLLMEngine
-from nanovllm.entrypoints.openai.http_guard import Admission, GuardMiddleware
+from nanovllm.entrypoints.openai.http_guard import RETRY_AFTER_S, Admission, GuardMiddleware
 from nanovllm.entrypoints.openai.http_server import Server, guarded_h11
 from nanovllm.entrypoints.openai.metrics import ServerMetrics
 from nanovllm.entrypoints.openai.protocol import (APIError, ChatCompletionRequest, CompletionRequest, ModelCard,
@@ -105,7 +105,8 @@ def build_app(engine: AsyncLLMEngine, model_names: list[str], metrics: ServerMet
 
     @app.exception_handler(APIError)
     async def api_error(_request, exc: APIError):
-        return JSONResponse(exc.body(), status_code=exc.status)
+        headers = {"Retry-After": str(RETRY_AFTER_S)} if exc.status == 503 else None  # overloaded, or stopping
+        return JSONResponse(exc.body(), status_code=exc.status, headers=headers)
 
     @app.exception_handler(RequestValidationError)
     async def invalid_request(_request, exc: RequestValidationError):

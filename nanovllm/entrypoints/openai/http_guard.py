@@ -15,7 +15,7 @@ from nanovllm.entrypoints.openai.protocol import APIError
 
 UNAUTHENTICATED_PATHS = ("/health",)  # probes work without credentials
 ALWAYS_SERVED_PATHS = ("/health", "/metrics")  # answered while draining, and not counted as in flight
-DRAIN_RETRY_AFTER_S = 2  # what a draining server tells clients (another replica will answer them)
+RETRY_AFTER_S = 2  # what a 503 tells clients to wait (the queue moves; or another replica answers)
 _TRIM_AFTER_BYTES = 1 << 20  # bodies this large leave freed memory that malloc keeps: return it
 
 
@@ -97,7 +97,7 @@ async def send_error(send, error: APIError):
     if error.status in (408, 413, 503):
         headers.append((b"connection", b"close"))  # the rest of the upload is not going to be read
     if error.status == 503:
-        headers.append((b"retry-after", str(DRAIN_RETRY_AFTER_S).encode()))
+        headers.append((b"retry-after", str(RETRY_AFTER_S).encode()))
     await send({"type": "http.response.start", "status": error.status, "headers": headers})
     await send({"type": "http.response.body", "body": body})
 

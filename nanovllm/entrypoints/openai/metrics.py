@@ -225,10 +225,11 @@ class _SnapshotCollector:
 
     def collect(self):
         engines = list(self.engines)
+        snapshots = [(e.labels, e.stats) for e in engines]  # one per engine for the whole scrape
         for kind, name, help_, value in _SNAPSHOT_METRICS:
             family = (GaugeMetricFamily if kind == "gauge" else CounterMetricFamily)(name, help_, labels=LABELS)
-            for e in engines:
-                family.add_metric(e.labels, value(e.stats))
+            for labels, stats in snapshots:
+                family.add_metric(labels, value(stats))
             yield family
         # The gaps between a sequence's tokens: vLLM's inter-token latency, and its older name for it.
         for name, help_ in (("vllm:inter_token_latency_seconds", "Histogram of inter-token latency in seconds."),
