@@ -9,7 +9,7 @@ concurrent streams, a thread's step took ~16 ms against ~6 ms offline (BENCHMARK
 Callers talk to the core through a thread-safe command queue (add, abort, abort all, stop); a
 writer forwards commands to the process's pipe, a reader takes the core's event lists and hands
 them to the requesters' event loops, one wake-up per loop and read (`call_soon_threadsafe`). In the
-engine process a sender thread writes the events (`_PipeOutbox`), so the engine never waits for a
+engine process (engine_process.py) a sender thread writes the events, so the engine never waits for a
 server that is busy encoding streams; the passes that queue up meanwhile go out as one message
 with one output per request.
 Requests answer through asyncio futures (`accepted`) and queues (outputs).
@@ -19,15 +19,14 @@ import logging
 import multiprocessing
 import pickle
 import queue
-import signal
 import threading
 import time
 import uuid
 
 from nanovllm.config import Config
 from nanovllm.engine.engine_core import EngineCore
-from nanovllm.engine.request_output import (CompletionOutput, EngineStats, RequestOutput, RequestRejected,
-                                             coalesce_outputs)
+from nanovllm.engine.engine_process import engine_process_main
+from nanovllm.engine.request_output import CompletionOutput, EngineStats, RequestOutput, RequestRejected
 from nanovllm.sampling_params import SamplingParams
 
 __all__ = ["AsyncLLMEngine", "CompletionOutput", "EngineStats", "RequestHandle", "RequestOutput", "RequestRejected"]
@@ -62,7 +61,7 @@ class AsyncLLMEngine:
                  separate_process: bool = True):
         """listener: optional object with `record(events)` (server metrics), called off the event
         loop with each dispatch's events for metrics, in order: the core's "stats", "tokens",
-        "token_gaps" and "finished" events (engine_core.py), and whatever kinds it adds later.
+        "ttft", "token_gaps" and "finished" events (engine_core.py), and whatever kinds it adds.
         engine_factory: builds the LLMEngine from the config (default LLMEngine; picklable when
         separate_process). separate_process=False runs the core on a thread of this process."""
         if isinstance(max_waiting, bool) or not isinstance(max_waiting, int) or max_waiting < 1:
@@ -95,7 +94,7 @@ class AsyncLLMEngine:
         if self.separate_process:
             ctx = multiprocessing.get_context("spawn")  # CUDA cannot be used in a forked child
             self._conn, child = ctx.Pipe()
-            self._process = ctx.Process(target=_engine_process_main, name="nanovllm-engine",
+            self._process = ctx.Process(target=engine_process_main, name="nanovllm-engine",
                                         args=(child, self.config, self._engine_factory, logging.getLogger().level))
             self._process.start()
             child.close()
@@ -133,7 +132,7 @@ class AsyncLLMEngine:
             self._process.join(timeout)
             if self._process.is_alive():
                 logger.warning("the engine process did not stop within %.1fs: killing it", timeout)
-                self._process.kill()  # it ignores SIGTERM (see _engine_process_main)
+                self._process.kill()  # it ignores SIGTERM (see engine_process.engine_process_main)
                 self._process.join()
         for worker in self._workers:
             worker.join(max(0.0, deadline - time.monotonic()))
@@ -236,7 +235,7 @@ class AsyncLLMEngine:
             elif kind == "startup_error":
                 self._startup_error = event[1]
                 self._ready.set()
-            else:  # for metrics: "tokens", "token_gaps", "finished", ...
+            else:  # for metrics: "tokens", "ttft", "token_gaps", "finished", ...
                 for_listener.append(event)
         if for_listener and self.listener is not None:
             self.listener.record(for_listener)
@@ -313,98 +312,3 @@ def _deliver(items):
         else:
             handle.finished = True
             handle.accepted.set_exception(value)
-
-
-class _PipeInbox:
-    """The core's inbox in the engine process: commands from the parent's writer thread. Once the
-    parent is gone (EOF), `get` answers "stop" and `get_nowait` finds nothing more."""
-
-    def __init__(self, conn):
-        self.conn = conn
-        self.closed = False
-
-    def get(self):
-        if not self.closed:
-            try:
-                return self.conn.recv()
-            except (EOFError, OSError):
-                self.closed = True
-        return ("stop", None)
-
-    def get_nowait(self):
-        if self.closed:
-            raise queue.Empty
-        try:
-            ready = self.conn.poll()
-        except OSError:
-            ready = True  # get() meets the error and closes
-        if not ready:
-            raise queue.Empty
-        return self.get()
-
-
-class _PipeOutbox:
-    """The core's events in the engine process: the loop hands each pass's events over and goes on;
-    a sender thread writes them to the pipe, all passes that queued up since its last write as one
-    message with one output per request (`coalesce_outputs`). The loop never waits for the server
-    (writing in the loop blocked it for 31% of a run on the H200 at 256 streams while the GPU
-    idled), and a server that falls behind gets fewer, larger outputs instead of a growing backlog
-    (BENCHMARKS.md, "Serving")."""
-
-    _FLUSH_TIMEOUT_S = 10.0  # at exit: how long the last events may wait for a reader
-
-    def __init__(self, conn):
-        self.conn = conn
-        self._pending: list[list] = []
-        self._closed = False
-        self._wakeup = threading.Condition()
-        self._sender = threading.Thread(target=self._send_all, name="nanovllm-engine-sender", daemon=True)
-        self._sender.start()
-
-    def emit(self, events: list):
-        with self._wakeup:
-            self._pending.append(events)
-            self._wakeup.notify()
-
-    def _send_all(self):
-        while True:
-            with self._wakeup:
-                while not self._pending and not self._closed:
-                    self._wakeup.wait()
-                if not self._pending:
-                    return
-                passes, self._pending = self._pending, []
-            events = coalesce_outputs(passes)
-            try:
-                data = pickle.dumps(events, protocol=pickle.HIGHEST_PROTOCOL)
-            except (pickle.PicklingError, TypeError, AttributeError):
-                # An exception that does not pickle (startup errors can be anything): send its text.
-                data = pickle.dumps([(e[0], RuntimeError(f"{type(e[1]).__name__}: {e[1]}"))
-                                     if e[0] == "startup_error" else e for e in events])
-            try:
-                self.conn.send_bytes(data)
-            except OSError:  # the parent is gone; the inbox reads EOF next and the loop stops
-                return
-
-    def close(self):
-        """Send what is queued (the last outputs, a "dead" event), unless nobody reads any more."""
-        with self._wakeup:
-            self._closed = True
-            self._wakeup.notify()
-        self._sender.join(self._FLUSH_TIMEOUT_S)
-
-
-def _engine_process_main(conn, config: Config, engine_factory, log_level: int):
-    """The engine process: one EngineCore over the pipe. Ctrl-C reaches the whole process group,
-    and service managers (systemd) send SIGTERM to every process of the service; the parent decides
-    how to shut down (a drain lets requests finish), so both are ignored here. The process stops
-    when told to, or when its parent is gone (the pipe closes)."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    logging.basicConfig(level=log_level, format="%(levelname)s %(asctime)s %(name)s: %(message)s")
-    outbox = _PipeOutbox(conn)
-    try:
-        EngineCore(config, _PipeInbox(conn), outbox.emit, engine_factory).run()
-    finally:
-        outbox.close()
-        conn.close()

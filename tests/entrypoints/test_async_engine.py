@@ -210,11 +210,11 @@ def test_engine_process_outbox_never_blocks_and_merges_what_the_reader_missed():
     import multiprocessing
     import pickle
 
-    from nanovllm.engine.async_engine import _PipeOutbox
+    from nanovllm.engine.engine_process import PipeOutbox
     from nanovllm.engine.request_output import CompletionOutput, RequestOutput
 
     reader, writer = multiprocessing.Pipe()
-    outbox = _PipeOutbox(writer)
+    outbox = PipeOutbox(writer)
     passes, width = 400, 64
     start = time.perf_counter()
     for step in range(passes):  # far more than the pipe holds: nobody reads yet

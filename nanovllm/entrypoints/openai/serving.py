@@ -14,12 +14,12 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from nanovllm.engine.async_engine import AsyncLLMEngine, RequestHandle
 from nanovllm.engine.request_output import CompletionOutput, RequestOutput, RequestRejected
-from nanovllm.entrypoints.openai.tokenize_pool import TokenizePool
 from nanovllm.entrypoints.openai.protocol import (
     APIError, ChatChoice, ChatCompletionChunk, ChatCompletionRequest, ChatCompletionResponse, ChatLogprobs,
     ChatResponseMessage, ChatStreamChoice, CompletionChoice, CompletionChunk, CompletionLogprobs,
     CompletionRequest, CompletionResponse, DeltaMessage, PromptTokensDetails, SamplingRequest, TokenLogprob,
     TopLogprob, Usage, random_id)
+from nanovllm.entrypoints.openai.tokenize_pool import TokenizePool
 from nanovllm.sampling_params import MAX_LOGPROBS
 
 _MAX_N = 128            # completions per prompt: beyond this a request is more likely a mistake than a need
