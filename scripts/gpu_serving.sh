@@ -18,7 +18,7 @@ for _ in $(seq 180); do curl -sf http://127.0.0.1:8000/health > /dev/null && bre
 status=0
 # Cumulative: the TTFT sums split into time queued and time in the running batch before the first token.
 metrics() { curl -s http://127.0.0.1:8000/metrics \
-  | grep -E "^nanovllm:(num_requests|kv_cache_usage|engine_|(time_to_first_token|request_queue_time|request_prefill_time)_seconds_(sum|count))" || true; }
+  | grep -E "^(vllm:(num_requests|kv_cache_usage|(time_to_first_token|request_queue_time|request_prefill_time)_seconds_(sum|count))|nanovllm:engine_)" || true; }
 run() {  # the engine_* counters are cumulative: compare them before and after a run
   echo "=== $*"; metrics
   python3 bench_serving.py --base-url http://127.0.0.1:8000 --vocab-size 10000 "$@" || status=1
