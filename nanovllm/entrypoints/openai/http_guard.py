@@ -50,26 +50,42 @@ class GuardMiddleware:
         if counted and self.admission.draining:
             return await send_error(send, APIError("the server is shutting down: retry later (another replica "
                                                    "may serve you)", 503, code="server_shutting_down"))
+        if counted:
+            self.admission.in_flight += 1  # admitted: from now on a drain waits for it
+        try:
+            size = await self._serve(scope, receive, send, headers)
+        finally:
+            if counted:
+                self.admission.in_flight -= 1
+        if size >= _TRIM_AFTER_BYTES:
+            asyncio.get_running_loop().run_in_executor(None, trim_heap)
+
+    async def _serve(self, scope, receive, send, headers: dict) -> int:
+        """Read the body within its bounds, then run the app on it; returns the body's size."""
         too_large = APIError(f"the request body exceeds {self.max_body_bytes} bytes", 413, code="request_too_large")
         try:
             length = int(headers.get(b"content-length", b"0"))
         except ValueError:
-            return await send_error(send, APIError("invalid Content-Length header", 400))
+            await send_error(send, APIError("invalid Content-Length header", 400))
+            return 0
         if length > self.max_body_bytes:
-            return await send_error(send, too_large)
+            await send_error(send, too_large)
+            return 0
         chunks, size, more = [], 0, True
         while more:
             try:
                 message = await asyncio.wait_for(receive(), self.body_timeout)
             except asyncio.TimeoutError:
-                return await send_error(send, APIError(f"the request body stopped arriving: nothing came for "
-                                                       f"{self.body_timeout:g}s", 408, code="request_timeout"))
+                await send_error(send, APIError(f"the request body stopped arriving: nothing came for "
+                                                f"{self.body_timeout:g}s", 408, code="request_timeout"))
+                return size
             if message["type"] == "http.disconnect":
-                return
+                return size
             body = message.get("body", b"")
             size += len(body)
             if size > self.max_body_bytes:  # a chunked upload that never said how long it is
-                return await send_error(send, too_large)
+                await send_error(send, too_large)
+                return size
             chunks.append(body)
             more = message.get("more_body", False)
         chunks.reverse()
@@ -78,15 +94,8 @@ class GuardMiddleware:
             if chunks:
                 return {"type": "http.request", "body": chunks.pop(), "more_body": bool(chunks)}
             return await receive()  # then: the disconnect, which the handlers watch for
-        if counted:
-            self.admission.in_flight += 1
-        try:
-            await self.app(scope, replay, send)
-        finally:
-            if counted:
-                self.admission.in_flight -= 1
-            if size >= _TRIM_AFTER_BYTES:
-                asyncio.get_running_loop().run_in_executor(None, trim_heap)
+        await self.app(scope, replay, send)
+        return size
 
 
 async def send_error(send, error: APIError):
