@@ -1,8 +1,16 @@
 """Per-request sampling parameters, with vLLM's names, meanings and ranges."""
+import math
 from dataclasses import dataclass, field
 
 _INT32_MAX = 2**31 - 1
 GREEDY_BELOW = 1e-5  # temperatures below this draw greedily (the argmax)
+# Upper bounds vLLM does not set (it checks finiteness only). Past a temperature of 100 the logit
+# gaps of any real model shrink below one nat: the draw is near-uniform noise, so a larger value is
+# a mistake more likely than a wish. A repetition penalty divides or multiplies logits: outside
+# [0.01, 100] it overflows fp32 logits for no purpose.
+MAX_TEMPERATURE = 100.0
+REPETITION_PENALTY_RANGE = (0.01, 100.0)
+MAX_LOGPROBS = 20
 
 
 @dataclass
@@ -27,22 +35,26 @@ class SamplingParams:
     stop_list: list[str] = field(init=False, repr=False)
 
     def __post_init__(self):
-        _number("temperature", self.temperature, lo=0.0, allowed="a number >= 0 (0 means greedy)")
+        _number("temperature", self.temperature, lo=0.0, hi=MAX_TEMPERATURE,
+                allowed=f"a number in [0, {MAX_TEMPERATURE:g}] (0 means greedy)")
         _integer("max_tokens", self.max_tokens, lo=1, allowed="an integer >= 1")
         _number("top_p", self.top_p, lo=0.0, hi=1.0, lo_open=True, allowed="a number in (0, 1]")
         _integer("top_k", self.top_k, lo=-1, allowed="-1 or 0 (disabled) or a positive integer")
         _number("min_p", self.min_p, lo=0.0, hi=1.0, allowed="a number in [0, 1]")
         _number("presence_penalty", self.presence_penalty, lo=-2.0, hi=2.0, allowed="a number in [-2, 2]")
         _number("frequency_penalty", self.frequency_penalty, lo=-2.0, hi=2.0, allowed="a number in [-2, 2]")
-        _number("repetition_penalty", self.repetition_penalty, lo=0.0, lo_open=True, allowed="a number > 0")
+        lo, hi = REPETITION_PENALTY_RANGE
+        _number("repetition_penalty", self.repetition_penalty, lo=lo, hi=hi,
+                allowed=f"a number in [{lo:g}, {hi:g}] (1 means no penalty)")
         _integer("min_tokens", self.min_tokens, lo=0, allowed="an integer >= 0")
         if self.min_tokens > self.max_tokens:
             raise ValueError(f"min_tokens must be <= max_tokens ({self.max_tokens}), got {self.min_tokens}")
         _integer("n", self.n, lo=1, allowed="an integer >= 1")
         if self.seed is not None:
-            _integer("seed", self.seed, lo=-(2**63), allowed="an integer or None")
+            _integer("seed", self.seed, lo=-(2**63), hi=2**63 - 1, allowed="an integer in [-2**63, 2**63-1] or None")
         if self.logprobs is not None:
-            _integer("logprobs", self.logprobs, lo=0, hi=20, allowed="an integer in [0, 20] or None")
+            _integer("logprobs", self.logprobs, lo=0, hi=MAX_LOGPROBS,
+                     allowed=f"an integer in [0, {MAX_LOGPROBS}] or None")
         for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
@@ -85,7 +97,9 @@ class SamplingParams:
 
 
 def _is_number(v) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool) and v == v  # v == v rejects NaN
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        return False
+    return isinstance(v, int) or math.isfinite(v)  # no NaN, no infinities (ints may exceed a float)
 
 
 def _number(name, value, lo=None, hi=None, lo_open=False, allowed=""):

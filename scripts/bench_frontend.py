@@ -87,8 +87,8 @@ def serve(args):
 
     config = Config(args.model_dir, load_format="dummy", device="cpu", max_num_seqs=args.max_num_seqs,
                     max_model_len=4096, num_kvcache_blocks=args.max_num_seqs * 8 + 64)
-    metrics = ServerMetrics("stand-in")
-    engine = AsyncLLMEngine(config, listener=metrics,
+    metrics = ServerMetrics("stand-in", config.max_model_len)
+    engine = AsyncLLMEngine(config, listener=metrics.engine_listener(0),
                             engine_factory=stand_in_engine(args.step_ms / 1e3, args.prefill_us / 1e6))
     engine.start()
     uvicorn.run(build_app(engine, ["stand-in"], metrics), host="127.0.0.1", port=args.port, log_level="warning")

@@ -43,7 +43,7 @@ serving() {
     --json-out "$OUTDIR/serving_r16.json"
   run serving_c1 "${client[@]}" --num-prompts 64 --concurrency 1 --input-len 128 --output-len 256 \
     --json-out "$OUTDIR/serving_c1.json"
-  curl -s http://127.0.0.1:$port/metrics | grep -E "^vllm:" > "$OUTDIR/serving_metrics.txt"
+  curl -s http://127.0.0.1:$port/metrics | grep -E "^(vllm|nanovllm):" > "$OUTDIR/serving_metrics.txt"
   kill -TERM $server; wait $server
 }
 

@@ -74,13 +74,29 @@ def test_bad_model_paths(tmp_path, model_factory):
 
 @pytest.mark.parametrize("make_params, match", [
     (lambda: SamplingParams(max_tokens=0), "max_tokens must be an integer >= 1"),
-    (lambda: SamplingParams(temperature=-0.5), "temperature must be a number >= 0"),
+    (lambda: SamplingParams(temperature=-0.5), r"temperature must be a number in \[0, 100\]"),
     (lambda: SamplingParams(top_p=0.0), "top_p"),
     (lambda: SamplingParams(n=0), "n must be"),
+    # Seeds are signed 64-bit, as vLLM's; nothing is folded into that range silently.
+    (lambda: SamplingParams(seed=2**63), r"seed must be an integer in \[-2\*\*63, 2\*\*63-1\]"),
+    (lambda: SamplingParams(seed=2**80), "seed must be"),
+    (lambda: SamplingParams(seed=-2**63 - 1), "seed must be"),
+    # Every float is finite and within a sane range.
+    *[(lambda name=name, v=v: SamplingParams(**{name: v}), f"{name} must be")
+      for name in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty")
+      for v in (float("inf"), float("-inf"), float("nan"), 1e308)],
+    (lambda: SamplingParams(logprobs=21), r"logprobs must be an integer in \[0, 20\]"),
 ])
 def test_bad_sampling_params(make_params, match):
     with pytest.raises(ValueError, match=match):
         make_params()
+
+
+def test_sampling_params_range_edges_are_accepted():
+    for seed in (-2**63, 2**63 - 1, 0):
+        assert SamplingParams(seed=seed).seed == seed
+    assert SamplingParams(temperature=100.0).temperature == 100.0
+    assert SamplingParams(repetition_penalty=0.01).repetition_penalty == 0.01
 
 
 @pytest.mark.parametrize("prompts, params, exc, match", [

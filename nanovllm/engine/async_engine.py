@@ -9,7 +9,7 @@ concurrent streams, a thread's step took ~16 ms against ~6 ms offline (BENCHMARK
 Callers talk to the core through a thread-safe command queue (add, abort, abort all, stop); a
 writer forwards commands to the process's pipe, a reader takes the core's event lists and hands
 them to the requesters' event loops, one wake-up per loop and read (`call_soon_threadsafe`). In the
-engine process a sender thread writes the events (`_PipeOutbox`), so the engine never waits for a
+engine process (engine_process.py) a sender thread writes the events, so the engine never waits for a
 server that is busy encoding streams; the passes that queue up meanwhile go out as one message
 with one output per request.
 Requests answer through asyncio futures (`accepted`) and queues (outputs).
@@ -19,15 +19,14 @@ import logging
 import multiprocessing
 import pickle
 import queue
-import signal
 import threading
 import time
 import uuid
 
 from nanovllm.config import Config
 from nanovllm.engine.engine_core import EngineCore
-from nanovllm.engine.request_output import (CompletionOutput, EngineStats, RequestOutput, RequestRejected,
-                                             coalesce_outputs)
+from nanovllm.engine.engine_process import engine_process_main
+from nanovllm.engine.request_output import CompletionOutput, EngineStats, RequestOutput, RequestRejected
 from nanovllm.sampling_params import SamplingParams
 
 __all__ = ["AsyncLLMEngine", "CompletionOutput", "EngineStats", "RequestHandle", "RequestOutput", "RequestRejected"]
@@ -60,8 +59,9 @@ class RequestHandle:
 class AsyncLLMEngine:
     def __init__(self, config: Config, max_waiting: int = 1024, listener=None, engine_factory=None,
                  separate_process: bool = True):
-        """listener: optional object with `request_added(num_prompt_tokens)`, `tokens_generated(n)`
-        and `sequence_finished(FinishedSequence)` (server metrics), called off the event loop.
+        """listener: optional object with `record(events)` (server metrics), called off the event
+        loop with each dispatch's events for metrics, in order: the core's "stats", "tokens",
+        "ttft", "token_gaps" and "finished" events (engine_core.py), and whatever kinds it adds.
         engine_factory: builds the LLMEngine from the config (default LLMEngine; picklable when
         separate_process). separate_process=False runs the core on a thread of this process."""
         if isinstance(max_waiting, bool) or not isinstance(max_waiting, int) or max_waiting < 1:
@@ -76,7 +76,10 @@ class AsyncLLMEngine:
         self.dead: str | None = None  # why the engine stopped serving, if it broke
         self._commands: queue.SimpleQueue = queue.SimpleQueue()  # reentrant: safe from signal handlers
         self._handles: dict[str, RequestHandle] = {}  # requests the core may still answer
-        self._num_unacked = 0    # requests submitted but not yet taken in (touched on the event loop only)
+        # Requests on their way to the core: sent - lost - stats.num_requests_received, where
+        # both counts of the core's side come from the same snapshot as its num_waiting.
+        self._num_sent = 0       # "add" commands queued (event loop side)
+        self._num_lost = 0       # of them, never delivered (writer thread side)
         self._core: EngineCore | None = None  # thread mode only
         self._workers: list[threading.Thread] = []
         self._process = None
@@ -91,7 +94,7 @@ class AsyncLLMEngine:
         if self.separate_process:
             ctx = multiprocessing.get_context("spawn")  # CUDA cannot be used in a forked child
             self._conn, child = ctx.Pipe()
-            self._process = ctx.Process(target=_engine_process_main, name="nanovllm-engine",
+            self._process = ctx.Process(target=engine_process_main, name="nanovllm-engine",
                                         args=(child, self.config, self._engine_factory, logging.getLogger().level))
             self._process.start()
             child.close()
@@ -109,10 +112,11 @@ class AsyncLLMEngine:
             raise self._startup_error
         self.accepting = True
 
-    def begin_shutdown(self, reason: str = "the server is shutting down"):
-        """Stop taking requests and fail the ones in flight. Safe to call from a signal handler."""
+    def begin_shutdown(self):
+        """Stop taking requests and finish the ones in flight now, with what they generated so far
+        and finish_reason "abort". Safe to call from a signal handler."""
         self.accepting = False
-        self._commands.put(("abort_all", reason))
+        self._commands.put(("abort_all", None))
 
     def shutdown(self, timeout: float = 5.0):
         """Abort everything, stop the engine and release it."""
@@ -127,12 +131,9 @@ class AsyncLLMEngine:
         if self._process is not None:
             self._process.join(timeout)
             if self._process.is_alive():
-                logger.warning("the engine process did not stop within %.1fs: terminating it", timeout)
-                self._process.terminate()
-                self._process.join(2.0)
-                if self._process.is_alive():
-                    self._process.kill()
-                    self._process.join()
+                logger.warning("the engine process did not stop within %.1fs: killing it", timeout)
+                self._process.kill()  # it ignores SIGTERM (see engine_process.engine_process_main)
+                self._process.join()
         for worker in self._workers:
             worker.join(max(0.0, deadline - time.monotonic()))
             if worker.is_alive():
@@ -150,18 +151,34 @@ class AsyncLLMEngine:
         return self._workers[0].is_alive()
 
     @property
+    def num_in_flight(self) -> int:
+        """Requests submitted that the engine has not finished answering."""
+        return len(self._handles)
+
+    @property
     def engine(self):
         """The LLMEngine, when it runs on a thread of this process (tests reach into it)."""
         return self._core.engine if self._core is not None else None
 
     # ---- requests (event loop) ------------------------------------------------------------
+    @property
+    def num_waiting(self) -> int:
+        """Requests waiting for a batch slot: queued in the engine, or on their way to it."""
+        stats = self.stats  # one snapshot: its counts agree with each other
+        return stats.num_waiting + max(0, self._num_sent - self._num_lost - stats.num_requests_received)
+
     def check_capacity(self, num_requests: int = 1):
-        """Raise RequestRejected(503) when the engine cannot take num_requests more right now."""
+        """Raise RequestRejected: 400 when num_requests together could never be queued (more
+        than max_waiting), 503 when the engine cannot take them right now."""
+        if num_requests > self.max_waiting:
+            raise RequestRejected(f"this request holds {num_requests} prompts, more than the server queues at once "
+                                  f"(the limit is {self.max_waiting}, --max-waiting): send at most "
+                                  f"{self.max_waiting} per request", 400)
         if self.dead is not None:
             raise RequestRejected(f"the engine is unavailable: {self.dead}", 503)
         if not self.accepting:
             raise RequestRejected("the server is shutting down", 503)
-        waiting = self.stats.num_waiting + self._num_unacked
+        waiting = self.num_waiting
         if waiting + num_requests > self.max_waiting:
             raise RequestRejected(f"the server is overloaded: {waiting} requests are already waiting "
                                   f"(the limit is {self.max_waiting}); retry later", 503)
@@ -174,14 +191,10 @@ class AsyncLLMEngine:
         if not self.healthy:  # nobody would answer
             handle.accepted.set_exception(RequestRejected(f"the engine is unavailable: {self.dead or 'stopped'}", 503))
             return handle
-        self._num_unacked += 1
-        handle.accepted.add_done_callback(self._acked)
+        self._num_sent += 1
         self._handles[handle.request_id] = handle
         self._commands.put(("add", handle.request_id, token_ids, params, stream, handle.arrival_time))
         return handle
-
-    def _acked(self, _future):
-        self._num_unacked -= 1
 
     def abort(self, request_id: str):
         """Thread-safe and non-blocking; the engine frees the request's blocks."""
@@ -191,12 +204,13 @@ class AsyncLLMEngine:
     def _dispatch(self, events: list):
         """Apply one pass's events: statistics and metrics at once, deliveries to the event loops
         after them (one wake-up per loop), so a delivered acceptance is already counted."""
-        listener = self.listener
         by_loop: dict = {}
+        for_listener = []
         for event in events:
             kind = event[0]
             if kind == "stats":
                 self.stats = event[1]  # one assignment: readers always see a consistent snapshot
+                for_listener.append(event)
             elif kind in ("accept", "reject", "output"):
                 handle = self._handles.get(event[1])
                 if handle is None:
@@ -213,15 +227,6 @@ class AsyncLLMEngine:
                 by_loop.setdefault(handle.loop, []).append((handle, kind, value))
             elif kind == "aborted":
                 self._handles.pop(event[1], None)
-            elif kind == "added":
-                if listener is not None:
-                    listener.request_added(event[1])
-            elif kind == "tokens":
-                if listener is not None:
-                    listener.tokens_generated(event[1])
-            elif kind == "finished":
-                if listener is not None:
-                    listener.sequence_finished(event[1])
             elif kind == "dead":
                 self.dead = event[1]
                 self.accepting = False
@@ -230,6 +235,10 @@ class AsyncLLMEngine:
             elif kind == "startup_error":
                 self._startup_error = event[1]
                 self._ready.set()
+            else:  # for metrics: "tokens", "ttft", "token_gaps", "finished", ...
+                for_listener.append(event)
+        if for_listener and self.listener is not None:
+            self.listener.record(for_listener)
         for loop, items in by_loop.items():
             try:
                 loop.call_soon_threadsafe(_deliver, items)
@@ -268,6 +277,7 @@ class AsyncLLMEngine:
                 self._conn.send(command)
             except (OSError, ValueError, pickle.PicklingError) as e:
                 if command[0] == "add":
+                    self._num_lost += 1
                     self._dispatch([("reject", command[1], f"the request could not be sent to the engine: {e}", 500)])
                 if isinstance(e, OSError):
                     return
@@ -302,95 +312,3 @@ def _deliver(items):
         else:
             handle.finished = True
             handle.accepted.set_exception(value)
-
-
-class _PipeInbox:
-    """The core's inbox in the engine process: commands from the parent's writer thread. Once the
-    parent is gone (EOF), `get` answers "stop" and `get_nowait` finds nothing more."""
-
-    def __init__(self, conn):
-        self.conn = conn
-        self.closed = False
-
-    def get(self):
-        if not self.closed:
-            try:
-                return self.conn.recv()
-            except (EOFError, OSError):
-                self.closed = True
-        return ("stop", None)
-
-    def get_nowait(self):
-        if self.closed:
-            raise queue.Empty
-        try:
-            ready = self.conn.poll()
-        except OSError:
-            ready = True  # get() meets the error and closes
-        if not ready:
-            raise queue.Empty
-        return self.get()
-
-
-class _PipeOutbox:
-    """The core's events in the engine process: the loop hands each pass's events over and goes on;
-    a sender thread writes them to the pipe, all passes that queued up since its last write as one
-    message with one output per request (`coalesce_outputs`). The loop never waits for the server
-    (writing in the loop blocked it for 31% of a run on the H200 at 256 streams while the GPU
-    idled), and a server that falls behind gets fewer, larger outputs instead of a growing backlog
-    (BENCHMARKS.md, "Serving")."""
-
-    _FLUSH_TIMEOUT_S = 10.0  # at exit: how long the last events may wait for a reader
-
-    def __init__(self, conn):
-        self.conn = conn
-        self._pending: list[list] = []
-        self._closed = False
-        self._wakeup = threading.Condition()
-        self._sender = threading.Thread(target=self._send_all, name="nanovllm-engine-sender", daemon=True)
-        self._sender.start()
-
-    def emit(self, events: list):
-        with self._wakeup:
-            self._pending.append(events)
-            self._wakeup.notify()
-
-    def _send_all(self):
-        while True:
-            with self._wakeup:
-                while not self._pending and not self._closed:
-                    self._wakeup.wait()
-                if not self._pending:
-                    return
-                passes, self._pending = self._pending, []
-            events = coalesce_outputs(passes)
-            try:
-                data = pickle.dumps(events, protocol=pickle.HIGHEST_PROTOCOL)
-            except (pickle.PicklingError, TypeError, AttributeError):
-                # An exception that does not pickle (startup errors can be anything): send its text.
-                data = pickle.dumps([(e[0], RuntimeError(f"{type(e[1]).__name__}: {e[1]}"))
-                                     if e[0] == "startup_error" else e for e in events])
-            try:
-                self.conn.send_bytes(data)
-            except OSError:  # the parent is gone; the inbox reads EOF next and the loop stops
-                return
-
-    def close(self):
-        """Send what is queued (the last outputs, a "dead" event), unless nobody reads any more."""
-        with self._wakeup:
-            self._closed = True
-            self._wakeup.notify()
-        self._sender.join(self._FLUSH_TIMEOUT_S)
-
-
-def _engine_process_main(conn, config: Config, engine_factory, log_level: int):
-    """The engine process: one EngineCore over the pipe. Ctrl-C reaches the whole process group;
-    the parent decides how to shut down, so SIGINT is ignored here."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    logging.basicConfig(level=log_level, format="%(levelname)s %(asctime)s %(name)s: %(message)s")
-    outbox = _PipeOutbox(conn)
-    try:
-        EngineCore(config, _PipeInbox(conn), outbox.emit, engine_factory).run()
-    finally:
-        outbox.close()
-        conn.close()

@@ -2,15 +2,20 @@
 
 `EngineCore` owns the engine and talks only in messages: it takes commands from an inbox
 (``("add", request_id, token_ids, params, stream, arrival_time)``, ``("abort", request_id)``,
-``("abort_all", reason)``, ``("stop", None)``) and hands out, once per pass of its loop, one list
-of events (``emit``):
+``("abort_all", None)``: finish every request now, finish_reason "abort", ``("stop", None)``) and
+hands out, once per pass of its loop, one list of events (``emit``):
 
     ("ready", None) | ("startup_error", exception)            once, first
     ("stats", EngineStats)                                    before the deliveries of a pass
     ("accept", request_id, num_prompt_tokens) | ("reject", request_id, message, status)
     ("output", request_id, RequestOutput)                     new tokens/text, or the final output
     ("aborted", request_id)                                   an abort was carried out
-    ("added", num_prompt_tokens) | ("tokens", n) | ("finished", FinishedSequence)   for metrics
+    ("tokens", prompt_tokens, generated_tokens)               for metrics: prompts whose first token
+                                                              came, and tokens generated, this pass
+    ("ttft", [seconds, ...])                                  arrival to first token, per sequence
+    ("token_gaps", [(seconds, n), ...])                       n tokens each came `seconds` after the
+                                                              previous token of their sequence
+    ("finished", FinishedSequence)                            a completion ended (metrics)
     ("dead", reason)                                          the engine broke: nothing more comes
 
 So the same loop runs on a thread of the server process or in a process of its own
@@ -35,17 +40,18 @@ _MAX_CONSECUTIVE_STEP_ERRORS = 3  # after this many failed steps in a row the en
 
 class FinishedSequence(NamedTuple):
     """What metrics need of a completion that ended (finished, stopped or aborted)."""
-    finish_reason: str | None   # None: aborted
+    finish_reason: str          # "stop", "length" or "abort" (cancelled, failed or cut short)
     arrival_time: float         # time.perf_counter() values (CLOCK_MONOTONIC: one clock per host)
     first_scheduled_time: float | None
     first_token_time: float | None
-    num_tokens: int
+    num_prompt_tokens: int
+    num_tokens: int             # completion tokens
     time: float
 
 
 class _Tracked:
     """The core's record of a request it is serving."""
-    __slots__ = ("seqs", "stream", "sent", "sent_logprobs", "done")
+    __slots__ = ("seqs", "stream", "sent", "sent_logprobs", "done", "last_token_time", "prefilled")
 
     def __init__(self, seqs: list[Sequence], stream: bool):
         self.seqs = seqs
@@ -53,6 +59,8 @@ class _Tracked:
         self.sent = [0] * len(seqs)           # completion tokens already counted/pushed, per sequence
         self.sent_logprobs = [0] * len(seqs)  # logprob entries already pushed, per sequence
         self.done = [False] * len(seqs)
+        self.last_token_time = [0.0] * len(seqs)  # when each sequence's latest token became known
+        self.prefilled = False  # a first token came: the prompt counts as processed
 
 
 class EngineCore:
@@ -68,6 +76,7 @@ class EngineCore:
         self._tracked: dict[str, _Tracked] = {}
         self._events: list = []
         self._consecutive_errors = 0
+        self._num_received = 0  # "add" commands taken in
         self._timing = [0, 0.0, 0.0, 0.0]  # steps, seconds in engine.step(), in _collect(), in emit
 
     def run(self):
@@ -142,12 +151,14 @@ class EngineCore:
             elif kind == "abort":
                 self._abort(command[1])
             elif kind == "abort_all":
-                self._fail_all(command[1], 503)
+                for request_id in list(self._tracked):
+                    self._finish_aborted(request_id)
             elif kind == "stop":
                 stop = True
         return stop
 
     def _add(self, request_id: str, token_ids, params, stream: bool, arrival_time: float):
+        self._num_received += 1
         try:
             ids = self.engine.tokenize(token_ids)
             seqs = self.engine.add_request(request_id, ids, params)
@@ -163,7 +174,6 @@ class EngineCore:
             if stream:
                 self.engine.output_processor.watch(seq)  # before its first token
         self._tracked[request_id] = _Tracked(seqs, stream)
-        self._events.append(("added", len(ids)))
         self._events.append(("accept", request_id, len(ids)))
 
     def _abort(self, request_id: str):
@@ -172,6 +182,17 @@ class EngineCore:
             self.engine.abort_request(request_id)
             self._count_finished(tracked)
         self._events.append(("aborted", request_id))
+
+    def _finish_aborted(self, request_id: str):
+        """End a request now, as if it had finished: what it generated so far is its output, with
+        finish_reason "abort" for the sequences that had not finished (a drain that ran out of time)."""
+        tracked = self._tracked[request_id]
+        self.engine.abort_request(request_id)
+        for i, seq in enumerate(tracked.seqs):
+            detok = getattr(seq, "detokenizer", None)
+            if not tracked.done[i] and detok is not None:
+                detok.unread += detok.flush()  # text held back for a stop string is final now
+        self._collect([(request_id, tracked)])
 
     def _fail_all(self, message: str, status: int):
         for request_id in list(self._tracked):
@@ -215,23 +236,44 @@ class EngineCore:
         if self._consecutive_errors >= _MAX_CONSECUTIVE_STEP_ERRORS:
             self._die(f"{self._consecutive_errors} engine steps failed in a row; last: {message}")
 
-    def _collect(self):
-        """Emit each request's new tokens/text, and its final output once all its sequences are done."""
+    def _collect(self, requests: list | None = None):
+        """Emit each request's new tokens/text, and its final output once all its sequences are done
+        (requests: (request_id, _Tracked) pairs; default: all). For metrics, a sequence's new token
+        is counted by the time of its previous one: the sequences decoding in step share that key,
+        so the gaps of a pass are a few (seconds, count) pairs however many streams decode."""
         processor = self.engine.output_processor
         events = self._events
         now = time.perf_counter()
-        generated = 0
-        for request_id, t in list(self._tracked.items()):
+        gaps: dict[float, int] = {}   # time of a sequence's previous token -> sequences with one new
+        spread = []                   # (seconds, n): n tokens that came together, an equal share each
+        ttfts = []
+        prefilled = generated = 0
+        for request_id, t in (list(self._tracked.items()) if requests is None else requests):
             deltas = []
+            sent, last_token_time = t.sent, t.last_token_time
             for i, seq in enumerate(t.seqs):
                 if t.done[i]:
                     continue
                 # Tokens of a step still in flight (GPU overlap) are placeholders: not yet known.
                 known = seq.num_completion_tokens - seq.num_pending_tokens
                 start = seq.num_prompt_tokens
-                new_ids = seq.token_ids[start + t.sent[i]:start + known]
-                t.sent[i] = known
-                generated += len(new_ids)
+                new_ids = seq.token_ids[start + sent[i]:start + known]
+                if new_ids:
+                    n = len(new_ids)
+                    generated += n
+                    if not sent[i]:
+                        if seq.first_token_time is not None:
+                            ttfts.append(seq.first_token_time - seq.arrival_time)
+                        if not t.prefilled:
+                            t.prefilled = True
+                            prefilled += start
+                    elif n == 1:
+                        last = last_token_time[i]
+                        gaps[last] = gaps.get(last, 0) + 1
+                    else:
+                        spread.append(((now - last_token_time[i]) / n, n))
+                    last_token_time[i] = now
+                sent[i] = known
                 finished = seq.is_finished
                 if finished:
                     t.done[i] = True
@@ -247,8 +289,12 @@ class EngineCore:
                 first = t.seqs[0]
                 events.append(("output", request_id, RequestOutput(request_id, deltas, all_done,
                                                                    first.num_prompt_tokens, first.num_cached_tokens)))
-        if generated:
-            events.append(("tokens", generated))
+        if prefilled or generated:
+            events.append(("tokens", prefilled, generated))
+        if ttfts:
+            events.append(("ttft", ttfts))
+        if gaps or spread:
+            events.append(("token_gaps", [(now - last, n) for last, n in gaps.items()] + spread))
 
     @staticmethod
     def _delta(t: _Tracked, i: int, seq: Sequence, new_ids: list[int], text: str) -> CompletionOutput:
@@ -272,7 +318,7 @@ class EngineCore:
             if not t.done[i]:
                 known = max(seq.num_completion_tokens - seq.num_pending_tokens, 0)
                 if known > t.sent[i]:
-                    self._events.append(("tokens", known - t.sent[i]))
+                    self._events.append(("tokens", 0, known - t.sent[i]))
                 self._events.append(("finished", _finished(seq, now, aborted=True)))
 
     def _publish_stats(self):
@@ -280,8 +326,9 @@ class EngineCore:
         bm = self.engine.block_manager
         running = {seq.request_id for seq in sched.running}
         waiting = {seq.request_id for seq in sched.waiting} - running
-        self._events.append(("stats", EngineStats(len(running), len(waiting), bm.usage, bm.prefix_queries,
-                                                  bm.prefix_hits, sched.num_preemptions, *self._timing)))
+        self._events.append(("stats", EngineStats(len(running), len(waiting), bm.usage, self._num_received,
+                                                  bm.prefix_queries, bm.prefix_hits, sched.num_preemptions,
+                                                  *self._timing)))
 
     def _flush(self):
         events, self._events = self._events, []
@@ -294,5 +341,5 @@ class EngineCore:
 
 def _finished(seq: Sequence, now: float, aborted: bool = False) -> FinishedSequence:
     known = max(seq.num_completion_tokens - seq.num_pending_tokens, 0)
-    return FinishedSequence(None if aborted else seq.finish_reason, seq.arrival_time, seq.first_scheduled_time,
-                            seq.first_token_time, known, now)
+    return FinishedSequence("abort" if aborted else seq.finish_reason or "abort", seq.arrival_time,
+                            seq.first_scheduled_time, seq.first_token_time, seq.num_prompt_tokens, known, now)

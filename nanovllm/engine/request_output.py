@@ -79,12 +79,15 @@ def coalesce_outputs(passes: list[list]) -> list:
 
 @dataclass
 class EngineStats:
-    """A snapshot published by the engine thread after each step, read by anyone."""
-    num_running: int = 0
-    num_waiting: int = 0
-    kv_cache_usage: float = 0.0
-    prefix_cache_queries: int = 0
-    prefix_cache_hits: int = 0
+    """A snapshot published by the engine after each pass of its loop, read by anyone. Counters
+    count from the engine's start."""
+    num_running: int = 0          # requests with a sequence in the running batch
+    num_waiting: int = 0          # requests taken in and not yet running
+    kv_cache_usage: float = 0.0   # fraction of KV-cache blocks in use, 0..1
+    num_requests_received: int = 0  # "add" commands taken in (accepted or rejected): the front end
+    #                                 subtracts it from what it sent to know what is still on the way
+    prefix_cache_queried_tokens: int = 0  # prompt tokens looked up in the prefix cache
+    prefix_cache_hit_tokens: int = 0      # of them, tokens whose KV was found there
     num_preemptions: int = 0
     # Where the engine loop's time goes (wall seconds since start): steps taken, stepping the engine,
     # turning step results into per-request outputs, handing each pass's events to the front end

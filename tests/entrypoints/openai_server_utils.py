@@ -9,6 +9,7 @@ import time
 
 import httpx
 import openai
+from prometheus_client.parser import text_string_to_metric_families
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TINY_ARGS = ["--device", "cpu", "--dtype", "float32", "--kv-cache-memory-bytes", str(64 << 20), "--max-num-seqs", "64"]
@@ -49,9 +50,18 @@ class RemoteServer:
         raise RuntimeError(f"server not ready after {timeout}s:\n{self.output()}")
 
     def output(self) -> str:
+        return self.log_text()[-5000:]
+
+    def log_text(self) -> str:
+        """Everything the server wrote (stdout and stderr)."""
         self.log.flush()
-        with open(self.log.name) as f:
-            return f.read()[-5000:]
+        with open(self.log.name, errors="replace") as f:
+            return f.read()
+
+    def rss_bytes(self) -> int:
+        """Resident memory of the API process (the engine runs in a child of its own)."""
+        with open(f"/proc/{self.proc.pid}/status") as f:
+            return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS:"))
 
     def client(self, **kwargs) -> openai.OpenAI:
         return openai.OpenAI(base_url=self.url + "/v1", api_key=self.api_key or "unused", max_retries=0, **kwargs)
@@ -63,32 +73,28 @@ class RemoteServer:
     def headers(self) -> dict:
         return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
 
+    def metrics_text(self) -> str:
+        return httpx.get(self.url + "/metrics", headers=self.headers(), timeout=10).text
+
     def metrics(self) -> dict[str, float]:
-        """{'metric_name{labels}': value}, and {'metric_name': value} for label-less lookups of
-        samples that carry only the model_name label."""
-        text = httpx.get(self.url + "/metrics", headers=self.headers(), timeout=10).text
-        out = {}
-        for line in text.splitlines():
-            if line and not line.startswith("#"):
-                key, _, value = line.rpartition(" ")
-                out[key] = float(value)
-                name, _, labels = key.partition("{")
-                if labels.count("=") == 1:
-                    out[name] = float(value)
-        return out
+        """/metrics through prometheus_client's parser: {sample name: value} for the samples of
+        engine 0, keyed with their other labels where they have some, e.g.
+        'vllm:request_success_total{finished_reason="abort"}'."""
+        return engine_samples(self.metrics_text())
 
     def wait_idle(self, timeout: float = 10.0) -> dict[str, float]:
         """Metrics once nothing runs, waits or holds KV blocks (aborts land asynchronously)."""
         deadline = time.monotonic() + timeout
         while True:
             m = self.metrics()
-            idle = (m["nanovllm:num_requests_running"] == 0 and m["nanovllm:num_requests_waiting"] == 0
-                    and m["nanovllm:kv_cache_usage_perc"] == 0)
+            idle = (m["vllm:num_requests_running"] == 0 and m["vllm:num_requests_waiting"] == 0
+                    and m["vllm:kv_cache_usage_perc"] == 0)
             if idle or time.monotonic() > deadline:
                 return m
             time.sleep(0.05)
 
-    def stop(self, sig=signal.SIGTERM, timeout: float = 15.0):
+    def stop(self, sig=signal.SIGTERM, timeout: float = 15.0) -> int:
+        """Signal the server (a drain, for SIGTERM) and return its exit status."""
         if self.proc.poll() is None:
             self.proc.send_signal(sig)
             try:
@@ -96,5 +102,20 @@ class RemoteServer:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
-        os.unlink(self.log.name)
+        if os.path.exists(self.log.name):
+            os.unlink(self.log.name)
+        return self.proc.returncode
 
+
+def engine_samples(text: str, engine: str = "0") -> dict[str, float]:
+    """One engine's samples of a /metrics text (see RemoteServer.metrics)."""
+    out = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            labels = dict(sample.labels)
+            if labels.pop("engine", None) != engine:
+                continue
+            labels.pop("model_name", None)
+            extra = ",".join(f'{k}="{v}"' for k, v in sorted(labels.items()))
+            out[f"{sample.name}{{{extra}}}" if extra else sample.name] = sample.value
+    return out

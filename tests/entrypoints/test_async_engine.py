@@ -210,11 +210,11 @@ def test_engine_process_outbox_never_blocks_and_merges_what_the_reader_missed():
     import multiprocessing
     import pickle
 
-    from nanovllm.engine.async_engine import _PipeOutbox
+    from nanovllm.engine.engine_process import PipeOutbox
     from nanovllm.engine.request_output import CompletionOutput, RequestOutput
 
     reader, writer = multiprocessing.Pipe()
-    outbox = _PipeOutbox(writer)
+    outbox = PipeOutbox(writer)
     passes, width = 400, 64
     start = time.perf_counter()
     for step in range(passes):  # far more than the pipe holds: nobody reads yet
@@ -234,3 +234,83 @@ def test_engine_process_outbox_never_blocks_and_merges_what_the_reader_missed():
     assert all(ids == list(range(passes)) for ids in received.values())
     assert messages < passes
     outbox.close()
+
+
+def test_capacity_counts_each_waiting_request_once(model_factory):
+    """Requests the engine took in are counted by its snapshot only, not also as still on their way
+    (issue 38: 503s below --max-waiting, and messages counting more requests than existed)."""
+    config = Config(model_factory("qwen3"), device="cpu", dtype="float32", kv_cache_memory_bytes=16 << 20,
+                    max_num_seqs=1)
+    e = AsyncLLMEngine(config, max_waiting=4, separate_process=False)
+    e.start()
+
+    async def main():
+        with pytest.raises(RequestRejected, match="holds 5 prompts.*the limit is 4") as never:
+            e.check_capacity(5)  # could never be queued: a 400, not a 503 to retry
+        assert never.value.status == 400
+        handles = [e.add_request([1, 2, 3], SamplingParams(max_tokens=1000, ignore_eos=True), True)
+                   for _ in range(5)]
+        # This coroutine holds the loop: the engine takes them in, their acceptances wait undelivered.
+        deadline = time.monotonic() + 30
+        while (e.stats.num_running, e.stats.num_waiting) != (1, 4) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert e.stats.num_requests_received == 5 and e.num_waiting == 4
+        e.check_capacity(0)
+        with pytest.raises(RequestRejected, match="4 requests are already waiting") as full:
+            e.check_capacity(1)
+        assert full.value.status == 503
+        for h in handles:
+            h.abort()
+    try:
+        asyncio.run(main())
+    finally:
+        e.shutdown()
+
+
+def test_begin_shutdown_finishes_requests_with_what_they_have(engine):
+    """What a drain does when its time is up: every request ends now as if finished, with its tokens
+    so far and finish_reason "abort"; streamed or not."""
+    async def main():
+        params = SamplingParams(temperature=0.0, max_tokens=1000, ignore_eos=True)
+        streamed = engine.add_request([1, 2, 3], params, True)
+        whole = engine.add_request([4, 5, 6], params, False)
+        await streamed.accepted
+        await whole.accepted
+        outputs = [await streamed.queue.get()]  # it is generating
+        engine.begin_shutdown()
+        while not outputs[-1].finished:
+            outputs.append(await asyncio.wait_for(streamed.queue.get(), 10))
+        final = await asyncio.wait_for(whole.queue.get(), 10)
+        return outputs, final
+    outputs, final = asyncio.run(main())
+    assert all(out.error is None for out in outputs) and final.error is None
+    last = outputs[-1].outputs[-1]
+    assert last.finish_reason == "abort" and 0 < last.num_tokens < 1000
+    assert last.num_tokens == sum(len(o.token_ids) for out in outputs for o in out.outputs)
+    done = final.outputs[0]
+    assert final.finished and done.finish_reason == "abort" and len(done.token_ids) == done.num_tokens > 0
+    assert engine.stats.kv_cache_usage == 0 and engine.num_in_flight == 0
+    with pytest.raises(RequestRejected, match="shutting down"):
+        engine.check_capacity(1)
+
+
+def test_a_stream_cut_by_a_failure_ends_with_final_chunks_then_the_error(engine):
+    """Through the app: the failed step's stream still ends as a stream should (finish_reason
+    "abort", the usage chunk it asked for), then names the failure, then [DONE]."""
+    import json
+    app = build_app(engine, ["tiny"])
+
+    async def main():
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://x", timeout=30) as c:
+            body = {"prompt": [5, 6, 7], "max_tokens": 50, "ignore_eos": True, "stream": True,
+                    "stream_options": {"include_usage": True}}
+            engine.engine.failures = 1
+            r = await c.post("/v1/completions", json=body)
+            return r.status_code, [line[6:] for line in r.text.splitlines() if line.startswith("data: ")]
+    status, events = asyncio.run(main())
+    assert status == 200 and events[-1] == "[DONE]"
+    chunks = [json.loads(e) for e in events[:-1]]
+    error = chunks.pop()
+    assert error["error"]["type"] == "server_error" and "injected failure" in error["error"]["message"]
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["prompt_tokens"] == 3
+    assert [c["finish_reason"] for chunk in chunks for c in chunk["choices"] if c["finish_reason"]] == ["abort"]

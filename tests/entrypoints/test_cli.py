@@ -35,10 +35,11 @@ def test_generate_over_two_ranks_matches_one(model_factory, smollm_dir):
     ([], "the following arguments are required"),
     (["generate"], "the following arguments are required: prompt"),
     (["generate", "hi", "--max-tokens", "many"], "invalid int value"),
-    (["generate", "hi", "--temperature", "-1"], "temperature must be a number >= 0"),
+    (["generate", "hi", "--temperature", "-1"], "temperature must be a number in [0, 100]"),
     (["generate", "hi", "--model", "/no/such/model"], "does not exist"),
     (["generate", "hi", "-tp", "0"], "tensor_parallel_size must be an integer >= 1"),
     (["translate", "hi"], "invalid choice"),
+    (["serve", "--timeout-header", "0"], "--timeout-header must be a number of seconds > 0"),
 ])
 def test_bad_arguments_exit_nonzero_with_usage(args, message, smollm_dir):
     r = _run(args, smollm_dir, timeout=120)

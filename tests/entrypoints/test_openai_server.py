@@ -113,25 +113,10 @@ def test_tiny_logprobs(tiny_server):
     assert [x for p in pieces for x in p.token_logprobs] == pytest.approx(lp.token_logprobs)
 
 
-def test_models_health_and_metrics(tiny_server):
+def test_models_and_health(tiny_server):
     models = tiny_server.client().models.list()
     assert len(models.data) == 1 and models.data[0].object == "model"
     assert httpx.get(tiny_server.url + "/health").json() == {"status": "ok"}
-    text = httpx.get(tiny_server.url + "/metrics").text
-    for name in ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc", "prefix_cache_hit_rate",
-                 "prompt_tokens_total", "generation_tokens_total", "request_success_total",
-                 "time_to_first_token_seconds", "time_per_output_token_seconds", "request_queue_time_seconds",
-                 "request_prefill_time_seconds"):
-        assert f"# TYPE nanovllm:{name} " in text
-    m = tiny_server.metrics()
-    assert m["nanovllm:generation_tokens_total"] > 0 and m["nanovllm:time_to_first_token_seconds_count"] > 0
-    assert m['nanovllm:time_to_first_token_seconds_bucket{model_name="%s",le="+Inf"}' % models.data[0].id] \
-        == m["nanovllm:time_to_first_token_seconds_count"]
-    # Each first token's wait splits into time queued and time in the running batch before it.
-    ttft, queue, prefill = (m[f"nanovllm:{name}_seconds_sum"] for name in
-                            ("time_to_first_token", "request_queue_time", "request_prefill_time"))
-    assert m["nanovllm:request_prefill_time_seconds_count"] == m["nanovllm:time_to_first_token_seconds_count"]
-    assert queue > 0 and prefill > 0 and abs(queue + prefill - ttft) < 1e-6 * max(1.0, ttft)
 
 
 # ---- the embedded default model ----------------------------------------------------------------

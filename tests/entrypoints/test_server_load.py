@@ -64,22 +64,20 @@ def test_concurrent_requests_with_cancellations(tiny_server):
             assert usage.prompt_tokens == num_prompt
         assert usage.total_tokens == usage.prompt_tokens + usage.completion_tokens
     after = tiny_server.wait_idle()
-    assert after["nanovllm:num_requests_running"] == 0 and after["nanovllm:num_requests_waiting"] == 0
-    assert after["nanovllm:kv_cache_usage_perc"] == 0
-    label = '{model_name="%s",finished_reason="%s"}'
-    aborted = after["nanovllm:request_success_total" + label % (model, "abort")] - \
-        before["nanovllm:request_success_total" + label % (model, "abort")]
-    finished = after["nanovllm:request_success_total" + label % (model, "length")] - \
-        before["nanovllm:request_success_total" + label % (model, "length")]
+    assert after["vllm:num_requests_running"] == 0 and after["vllm:num_requests_waiting"] == 0
+    assert after["vllm:kv_cache_usage_perc"] == 0
+    key = 'vllm:request_success_total{finished_reason="%s"}'
+    aborted = after[key % "abort"] - before[key % "abort"]
+    finished = after[key % "length"] - before[key % "length"]
     assert aborted == 16 and finished == 48
 
 
 def test_abandoned_non_streaming_request_is_aborted(tiny_server):
     model = tiny_server.client().models.list().data[0].id
-    key = 'nanovllm:request_success_total{model_name="%s",finished_reason="abort"}' % model
+    key = 'vllm:request_success_total{finished_reason="abort"}'
     before = tiny_server.metrics()[key]
     body = {"model": model, "prompt": [1, 2, 3], "max_tokens": 1000, "ignore_eos": True}
     with pytest.raises(httpx.ReadTimeout):  # the client gives up and closes the connection
         httpx.post(tiny_server.url + "/v1/completions", json=body, timeout=httpx.Timeout(10, read=0.3))
     after = tiny_server.wait_idle()
-    assert after[key] == before + 1 and after["nanovllm:kv_cache_usage_perc"] == 0
+    assert after[key] == before + 1 and after["vllm:kv_cache_usage_perc"] == 0

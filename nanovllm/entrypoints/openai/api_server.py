@@ -1,33 +1,37 @@
 """`nanovllm serve`: an OpenAI-compatible HTTP server (FastAPI + uvicorn) on AsyncLLMEngine.
 
-Endpoints: GET /health, GET /metrics (Prometheus text), GET /v1/models, POST /v1/completions,
+Endpoints: GET /health, GET /metrics (Prometheus), GET /v1/models, POST /v1/completions,
 POST /v1/chat/completions (both with `stream`). Listens on 127.0.0.1 unless told otherwise.
+Before the app: http_guard.py (authentication, the drain, body bounds and timeouts); around it:
+http_server.py (a deadline for request heads, the drain on SIGTERM).
 """
 import argparse
-import hmac
-import json
 import logging
 import os
+import resource
 import sys
 from contextlib import asynccontextmanager
 
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, PlainTextResponse
+from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from nanovllm.config import Config
 from nanovllm.engine.async_engine import AsyncLLMEngine
+from nanovllm.entrypoints.openai.http_guard import RETRY_AFTER_S, Admission, GuardMiddleware
+from nanovllm.entrypoints.openai.http_server import Server, guarded_h11
 from nanovllm.entrypoints.openai.metrics import ServerMetrics
 from nanovllm.entrypoints.openai.protocol import (APIError, ChatCompletionRequest, CompletionRequest, ModelCard,
                                                   ModelList)
+from nanovllm.entrypoints.openai.request_body import parse_request, validation_error
 from nanovllm.entrypoints.openai.serving import OpenAIServing
 
 logger = logging.getLogger("nanovllm.serve")
 
 API_KEY_ENV = "NANOVLLM_API_KEY"
-_UNAUTHENTICATED_PATHS = ("/health",)  # probes must work without credentials
+_CONNECTIONS_HEADROOM = 256  # --limit-concurrency's default: requests that may run or wait, plus these
 
 # serve's engine options and the Config fields they set (only when given).
 _ENGINE_OPTIONS = ("device", "dtype", "max_model_len", "max_num_seqs", "max_num_batched_tokens", "enforce_eager",
@@ -49,6 +53,19 @@ def add_serve_arguments(p: argparse.ArgumentParser):
                    help="requests allowed to wait for a batch slot; beyond it new ones get 503 (default: 1024)")
     p.add_argument("--max-body-bytes", type=int, default=8 << 20,
                    help="largest request body accepted, in bytes; larger ones get 413 (default: 8 MiB)")
+    p.add_argument("--timeout-keep-alive", type=float, default=5.0,
+                   help="seconds an idle kept-alive connection stays open (default: 5)")
+    p.add_argument("--timeout-header", type=float, default=10.0,
+                   help="seconds a request's line and headers may take to arrive, from their first byte "
+                        "(and a new connection's first request, from its opening); then 408 (default: 10)")
+    p.add_argument("--timeout-body", type=float, default=30.0,
+                   help="longest wait, in seconds, for the next piece of a request body; then 408 (default: 30)")
+    p.add_argument("--limit-concurrency", type=int, default=None,
+                   help="most connections and requests at once; beyond, new requests get 503 (default: "
+                        f"--max-waiting + --max-num-seqs + {_CONNECTIONS_HEADROOM})")
+    p.add_argument("--shutdown-timeout", type=float, default=30.0,
+                   help="on SIGTERM/SIGINT: seconds the requests in flight may take to finish while new ones get "
+                        "503; then they end with finish_reason 'abort' (default: 30)")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     p.add_argument("--access-log", action="store_true", help="log every HTTP request")
     g = p.add_argument_group("engine options (nanovllm.config.Config)")
@@ -71,35 +88,30 @@ def add_serve_arguments(p: argparse.ArgumentParser):
 
 # ---- the app --------------------------------------------------------------------------------
 def build_app(engine: AsyncLLMEngine, model_names: list[str], metrics: ServerMetrics | None = None,
-              api_key: str | None = None, max_body_bytes: int = 8 << 20) -> FastAPI:
+              api_key: str | None = None, max_body_bytes: int = 8 << 20, body_timeout: float | None = None,
+              admission: Admission | None = None) -> FastAPI:
     from nanovllm.engine.tokenizer import load_tokenizer
     config = engine.config
     serving = OpenAIServing(engine, load_tokenizer(config.model), model_names)
+    admission = admission or Admission()
 
     @asynccontextmanager
     async def lifespan(_app):
         yield
+        serving.tokenize_pool.shutdown()
         engine.shutdown()  # on uvicorn's shutdown, once open connections are done
 
     app = FastAPI(title="nanovllm", docs_url=None, redoc_url=None, openapi_url=None, lifespan=lifespan)
 
     @app.exception_handler(APIError)
     async def api_error(_request, exc: APIError):
-        return JSONResponse(exc.body(), status_code=exc.status)
+        headers = {"Retry-After": str(RETRY_AFTER_S)} if exc.status == 503 else None  # overloaded, or stopping
+        return JSONResponse(exc.body(), status_code=exc.status, headers=headers)
 
     @app.exception_handler(RequestValidationError)
-    async def validation_error(_request, exc: RequestValidationError):
+    async def invalid_request(_request, exc: RequestValidationError):
         # FastAPI says 422; OpenAI (and its clients) expect 400 with a message naming the field.
-        problems, param = [], None
-        for err in exc.errors()[:3]:
-            loc = [str(x) for x in err.get("loc", ()) if x != "body"]
-            if err.get("type") == "json_invalid":
-                problems.append(f"the body is not valid JSON: {err.get('ctx', {}).get('error', err.get('msg'))}")
-                continue
-            where = ".".join(loc)
-            param = param or (loc[0] if loc else None)
-            problems.append(f"{where}: {err.get('msg')}" if where else str(err.get("msg")))
-        return JSONResponse(APIError("; ".join(problems) or "invalid request", 400, param=param).body(), 400)
+        return JSONResponse(validation_error(exc.errors()).body(), 400)
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(_request, exc: StarletteHTTPException):  # unknown route, wrong method...
@@ -114,14 +126,16 @@ def build_app(engine: AsyncLLMEngine, model_names: list[str], metrics: ServerMet
     async def health():
         if not engine.healthy:
             return JSONResponse({"status": "unhealthy", "reason": engine.dead or "the engine is stopped"}, 503)
-        if not engine.accepting:
+        if admission.draining or not engine.accepting:
             return JSONResponse({"status": "shutting down"}, 503)
         return {"status": "ok"}
 
     @app.get("/metrics")
-    async def get_metrics():
-        text = metrics.render(engine.stats) if metrics is not None else ""
-        return PlainTextResponse(text, media_type="text/plain; version=0.0.4; charset=utf-8")
+    async def get_metrics(raw: Request):
+        if metrics is None:
+            return Response(b"", media_type="text/plain; version=0.0.4; charset=utf-8")
+        body, content_type = metrics.render(raw.headers.get("accept"))
+        return Response(body, headers={"Content-Type": content_type})
 
     @app.get("/v1/models")
     async def models():
@@ -129,76 +143,18 @@ def build_app(engine: AsyncLLMEngine, model_names: list[str], metrics: ServerMet
                            vocab_size=config.hf_config.vocab_size) for name in model_names]
         return ModelList(data=cards).model_dump(mode="json")
 
+    # Bodies are parsed here, not by FastAPI: strict JSON (request_body.py).
     @app.post("/v1/completions")
-    async def completions(req: CompletionRequest, raw: Request):
-        return await serving.completions(req, raw)
+    async def completions(raw: Request):
+        return await serving.completions(await parse_request(await raw.body(), CompletionRequest), raw)
 
     @app.post("/v1/chat/completions")
-    async def chat_completions(req: ChatCompletionRequest, raw: Request):
-        return await serving.chat(req, raw)
+    async def chat_completions(raw: Request):
+        return await serving.chat(await parse_request(await raw.body(), ChatCompletionRequest), raw)
 
-    app.add_middleware(GuardMiddleware, api_key=api_key, max_body_bytes=max_body_bytes)
+    app.add_middleware(GuardMiddleware, api_key=api_key, max_body_bytes=max_body_bytes, body_timeout=body_timeout,
+                       admission=admission)
     return app
-
-
-class GuardMiddleware:
-    """Authentication and the body-size bound, as plain ASGI, before FastAPI reads anything.
-
-    The body is read here, up to the bound, and replayed to the app; a Content-Length over the
-    bound is refused without reading. Either way an endless upload cannot exhaust memory."""
-
-    def __init__(self, app, api_key: str | None, max_body_bytes: int):
-        self.app = app
-        self.expected = f"Bearer {api_key}".encode() if api_key else None
-        self.max_body_bytes = max_body_bytes
-
-    async def __call__(self, scope, receive, send):
-        if scope["type"] != "http":
-            return await self.app(scope, receive, send)
-        headers = dict(scope["headers"])
-        if self.expected is not None and scope["path"] not in _UNAUTHENTICATED_PATHS:
-            # compare_digest: the time taken does not tell how much of a guess was right.
-            if not hmac.compare_digest(headers.get(b"authorization", b""), self.expected):
-                return await _send_error(send, APIError("invalid or missing API key: send 'Authorization: "
-                                                        "Bearer <key>'", 401, code="invalid_api_key"))
-        too_large = APIError(f"the request body exceeds {self.max_body_bytes} bytes", 413, code="request_too_large")
-        try:
-            length = int(headers.get(b"content-length", b"0"))
-        except ValueError:
-            return await _send_error(send, APIError("invalid Content-Length header", 400))
-        if length > self.max_body_bytes:
-            return await _send_error(send, too_large)
-        chunks, size, more = [], 0, True
-        while more:
-            message = await receive()
-            if message["type"] == "http.disconnect":
-                return
-            body = message.get("body", b"")
-            size += len(body)
-            if size > self.max_body_bytes:  # a chunked upload that never said how long it is
-                return await _send_error(send, too_large)
-            chunks.append(body)
-            more = message.get("more_body", False)
-        replayed = False
-
-        async def replay():
-            nonlocal replayed
-            if not replayed:
-                replayed = True
-                return {"type": "http.request", "body": b"".join(chunks), "more_body": False}
-            return await receive()  # then: the disconnect, which the handlers watch for
-        await self.app(scope, replay, send)
-
-
-async def _send_error(send, error: APIError):
-    body = json.dumps(error.body()).encode()
-    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
-    if error.status == 401:
-        headers.append((b"www-authenticate", b"Bearer"))
-    if error.status == 413:
-        headers.append((b"connection", b"close"))  # the rest of the upload is not going to be read
-    await send({"type": "http.response.start", "status": error.status, "headers": headers})
-    await send({"type": "http.response.body", "body": body})
 
 
 # ---- running it -----------------------------------------------------------------------------
@@ -212,43 +168,51 @@ def run_server(args) -> int:
     from nanovllm.models.default_model import DEFAULT_MODEL_NAME
 
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(asctime)s %(name)s: %(message)s")
+    limit = args.limit_concurrency
     for name, value, low in (("--port", args.port, 0), ("--max-waiting", args.max_waiting, 1),
-                             ("--max-body-bytes", args.max_body_bytes, 1)):
+                             ("--max-body-bytes", args.max_body_bytes, 1),
+                             ("--limit-concurrency", 1 if limit is None else limit, 1)):
         if value < low:
             raise ValueError(f"{name} must be >= {low}, got {value}")
+    for name in ("timeout_keep_alive", "timeout_header", "timeout_body", "shutdown_timeout"):
+        value = getattr(args, name)
+        if not 0 < value < float("inf"):
+            raise ValueError(f"--{name.replace('_', '-')} must be a number of seconds > 0, got {value}")
     api_key = args.api_key or os.environ.get(API_KEY_ENV) or None
     names = args.served_model_name or [args.model if args.model is not None else DEFAULT_MODEL_NAME]
     config = engine_config(args)  # bad options fail here, before the model loads
-    metrics = ServerMetrics(names[0])
-    engine = AsyncLLMEngine(config, max_waiting=args.max_waiting, listener=metrics)
+    limit_concurrency = args.limit_concurrency or args.max_waiting + config.max_num_seqs + _CONNECTIONS_HEADROOM
+    _raise_open_files_limit(limit_concurrency)
+    metrics = ServerMetrics(names[0], config.max_model_len)
+    engine = AsyncLLMEngine(config, max_waiting=args.max_waiting, listener=metrics.engine_listener(0))
     logger.info("loading %s (%s) on %s", names[0], config.model, config.device)
     engine.start()
-    app = build_app(engine, names, metrics, api_key, args.max_body_bytes)
-    server = _Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
-                                    access_log=args.access_log, timeout_graceful_shutdown=5,
-                                    log_config=None), engine)
+    admission = Admission()
+    app = build_app(engine, names, metrics, api_key, args.max_body_bytes, args.timeout_body, admission)
+    server = Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
+                                   access_log=args.access_log, timeout_graceful_shutdown=5, log_config=None,
+                                   http=guarded_h11(args.timeout_header), timeout_keep_alive=args.timeout_keep_alive,
+                                   limit_concurrency=limit_concurrency),
+                    engine, admission, args.shutdown_timeout)
     logger.info("serving %s on http://%s:%d (API key %s)", ", ".join(names), args.host, args.port,
                 "required" if api_key else "not required")
     try:
         server.run()
-    except KeyboardInterrupt:  # uvicorn re-raises the SIGINT it caught, once shut down
-        pass
     finally:
         engine.shutdown()
     return 0
 
 
-class _Server(uvicorn.Server):
-    """On SIGINT/SIGTERM, besides uvicorn's (stop accepting connections, wait for open ones):
-    stop taking requests and abort those in flight, so open streams end at once."""
-
-    def __init__(self, config: uvicorn.Config, engine: AsyncLLMEngine):
-        super().__init__(config)
-        self.engine = engine
-
-    def handle_exit(self, sig, frame):
-        self.engine.begin_shutdown()  # only puts a command on a queue: safe in a signal handler
-        super().handle_exit(sig, frame)
+def _raise_open_files_limit(connections: int):
+    """Each connection is a file descriptor: lift the soft limit (often 1024) toward the hard one."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    wanted = connections + 256  # the engine's pipes, the model's files, the tokenizer's...
+    if soft != resource.RLIM_INFINITY and soft < wanted:
+        target = wanted if hard == resource.RLIM_INFINITY else min(wanted, hard)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+        if target < wanted:
+            logger.warning("only %d files may be open (ulimit -n): fewer than --limit-concurrency %d needs",
+                           target, connections)
 
 
 if __name__ == "__main__":  # the same as `nanovllm serve` (the CLI sits above this module, not below it)

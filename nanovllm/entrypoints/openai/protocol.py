@@ -7,7 +7,7 @@ import time
 import uuid
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, StrictInt
 
 from nanovllm.sampling_params import SamplingParams
 
@@ -17,6 +17,8 @@ class APIError(Exception):
 
     def __init__(self, message: str, status: int = 400, param: str | None = None, code: str | None = None,
                  type_: str | None = None):
+        message = _printable(message)  # it may echo the input: never fail to encode it
+        param = _printable(param) if param is not None else None
         super().__init__(message)
         self.message, self.status, self.param, self.code = message, status, param, code
         self.type = type_ or ("invalid_request_error" if status < 500 else "server_error")
@@ -25,9 +27,15 @@ class APIError(Exception):
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
 
+def _printable(text: str) -> str:
+    """text, with lone surrogates (which UTF-8 cannot encode) written as escapes."""
+    return text if text.isascii() else text.encode("utf-8", "backslashreplace").decode("utf-8")
+
+
 class OpenAIModel(BaseModel):
-    # Clients send fields we have no use for (user, metadata, store...): ignore them.
-    model_config = ConfigDict(extra="ignore")
+    # Clients send fields we have no use for (user, metadata, store...): ignore them. No float
+    # field takes NaN or an infinity (JSON has neither; Python's parser and pydantic accept both).
+    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
 
 
 class StreamOptions(OpenAIModel):
@@ -80,8 +88,9 @@ class SamplingRequest(OpenAIModel):
 
 
 class CompletionRequest(SamplingRequest):
-    # A string, a list of strings, token ids, or a list of token-id lists.
-    prompt: str | list[str] | list[int] | list[list[int]]
+    # A string, token ids, a list of strings, or a list of token-id lists. Strict ints, tried before
+    # strings: validating a million token ids as strings first took pydantic 0.8 s (on the event loop).
+    prompt: str | list[StrictInt] | list[str] | list[list[StrictInt]]
     logprobs: int | None = None
     echo: bool = False
     suffix: str | None = None

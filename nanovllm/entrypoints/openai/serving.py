@@ -1,9 +1,8 @@
 """/v1/completions and /v1/chat/completions on top of AsyncLLMEngine: prompts to token ids, request
 fields to SamplingParams, engine outputs to OpenAI responses or server-sent-event chunks.
 
-Tokenization and chat templates run here, on the event loop, with the server's own tokenizer
-instance: the engine's instance belongs to the engine thread (Rust tokenizers are not meant to
-be shared across threads mid-call).
+Tokenization and chat templates run on the server's own tokenizer instance, on worker threads
+(`TokenizePool`), never on the event loop.
 """
 import asyncio
 import functools
@@ -14,12 +13,14 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from nanovllm.engine.async_engine import AsyncLLMEngine, RequestHandle
-from nanovllm.engine.request_output import RequestOutput, RequestRejected
+from nanovllm.engine.request_output import CompletionOutput, RequestOutput, RequestRejected
 from nanovllm.entrypoints.openai.protocol import (
     APIError, ChatChoice, ChatCompletionChunk, ChatCompletionRequest, ChatCompletionResponse, ChatLogprobs,
     ChatResponseMessage, ChatStreamChoice, CompletionChoice, CompletionChunk, CompletionLogprobs,
     CompletionRequest, CompletionResponse, DeltaMessage, PromptTokensDetails, SamplingRequest, TokenLogprob,
     TopLogprob, Usage, random_id)
+from nanovllm.entrypoints.openai.tokenize_pool import TokenizePool
+from nanovllm.sampling_params import MAX_LOGPROBS
 
 _MAX_N = 128            # completions per prompt: beyond this a request is more likely a mistake than a need
 _MIN_LOGPROB = -9999.0  # JSON has no -inf
@@ -35,6 +36,7 @@ class OpenAIServing:
         self.tokenizer = tokenizer
         self.model_names = model_names
         self.max_model_len = engine.config.max_model_len
+        self.tokenize_pool = TokenizePool(tokenizer, self.max_model_len)
         self._token_text = functools.lru_cache(maxsize=1 << 16)(self._decode_token)
 
     # ---- entry points ---------------------------------------------------------------------
@@ -46,7 +48,8 @@ class OpenAIServing:
             raise APIError("suffix is not supported", param="suffix")
         if req.best_of is not None and req.best_of != req.n:
             raise APIError("best_of is not supported (other than best_of == n)", param="best_of")
-        prompts = self._completion_prompts(req.prompt)
+        self._check_capacity(_num_prompts(req.prompt))  # before tokenizing what could not be queued anyway
+        prompts = await self.tokenize_pool.run(self._completion_prompts, req.prompt)
         params = [self._params(req, ids, req.max_tokens if req.max_tokens is not None else 16, req.logprobs, "prompt")
                   for ids in prompts]
         handles, out_queue = await self._submit(prompts, params, req.stream, "prompt")
@@ -71,7 +74,11 @@ class OpenAIServing:
             raise APIError("only response_format {'type': 'text'} is supported", param="response_format")
         if req.top_logprobs is not None and not req.logprobs:
             raise APIError("top_logprobs requires logprobs to be true", param="top_logprobs")
-        ids = self._chat_prompt(req)
+        if req.top_logprobs is not None and not 0 <= req.top_logprobs <= MAX_LOGPROBS:
+            raise APIError(f"top_logprobs must be an integer in [0, {MAX_LOGPROBS}], got {req.top_logprobs}",
+                           param="top_logprobs")
+        self._check_capacity(1)
+        ids = await self.tokenize_pool.run(self._chat_prompt, req)
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         if max_tokens is None:
             max_tokens = max(1, self.max_model_len - len(ids))  # as OpenAI: up to the context's end
@@ -118,7 +125,11 @@ class OpenAIServing:
                     raise APIError("prompt must not be an empty string", param="prompt")
                 if self.tokenizer is None:
                     raise APIError("this model has no tokenizer: send prompts as token ids", param="prompt")
+                self.tokenize_pool.check_length(len(p), "prompt")
                 p = self.tokenizer.encode(p)
+            if len(p) >= self.max_model_len:  # as the engine would say, without shipping it there
+                raise APIError(f"prompt has {len(p)} tokens but max_model_len is {self.max_model_len}; the prompt "
+                               "must leave room for at least one generated token", param="prompt")
             token_ids.append(list(p))
         return token_ids
 
@@ -133,6 +144,7 @@ class OpenAIServing:
                     raise APIError(f"messages[{i}].content: only text parts are supported", param="messages")
                 content = "\n".join(part["text"] for part in content)
             messages.append({**(m.model_extra or {}), "role": m.role, "content": content or ""})
+        self.tokenize_pool.check_length(sum(len(m["content"]) for m in messages), "messages")
         try:
             text = self.tokenizer.apply_chat_template(messages, tokenize=False,
                                                       add_generation_prompt=req.add_generation_prompt)
@@ -151,12 +163,16 @@ class OpenAIServing:
                            param="max_tokens")
         return params
 
+    def _check_capacity(self, num_prompts: int):
+        try:
+            self.engine.check_capacity(num_prompts)
+        except RequestRejected as e:
+            raise APIError(str(e), e.status, param="prompt" if e.status == 400 else None,
+                           code="server_overloaded" if e.status == 503 else None) from None
+
     async def _submit(self, prompts, params, stream: bool, prompt_field: str):
         """Queue every prompt and wait until the engine took them all in; all or none."""
-        try:
-            self.engine.check_capacity(len(prompts))
-        except RequestRejected as e:
-            raise APIError(str(e), e.status, code="server_overloaded" if e.status == 503 else None) from None
+        self._check_capacity(len(prompts))
         out_queue: asyncio.Queue = asyncio.Queue()
         handles = [self.engine.add_request(ids, sp, stream, out_queue) for ids, sp in zip(prompts, params)]
         try:
@@ -252,6 +268,8 @@ class _Job:
         self.num_prompt_tokens = sum(len(p) for p in prompts)
         self.last: dict = {}  # request_id -> its latest RequestOutput
         self.num_tokens: dict = {}  # choice index -> completion tokens so far
+        self.finished_choices: set[int] = set()
+        self.error: RequestRejected | None = None  # why the stream ended early, if it failed
 
     def completions(self, finals: dict):
         for request_id, out in finals.items():
@@ -275,17 +293,40 @@ class _Job:
             merged: dict[str, RequestOutput] = {}
             for out in batch:
                 if out.error is not None:
-                    raise out.error
+                    self.error = out.error
+                    break
                 rid = out.request_id
                 merged[rid] = merged[rid].followed_by(out) if rid in merged else out
                 if out.finished:
                     pending.discard(rid)
+            if self.error is not None:  # a failure ends the stream: the choices still open end as aborted
+                for rid in pending:
+                    merged[rid] = self._aborted(rid, merged.get(rid))
+                pending = set()
             for request_id, out in merged.items():
                 self.last[request_id] = out
                 for output in out.outputs:
                     index = self.base[request_id] + output.index
                     self.num_tokens[index] = output.num_tokens
+                    if output.finish_reason is not None:
+                        self.finished_choices.add(index)
                     yield out, output, index
+
+    def _aborted(self, request_id: str, sofar: RequestOutput | None) -> RequestOutput:
+        """A request cut short, as its last output: what came so far (sofar, not yet sent), and
+        finish_reason "abort" for each choice that had not finished."""
+        base = self.base[request_id]
+        outputs = {o.index: o for o in sofar.outputs} if sofar is not None else {}
+        for i in range(self.n):
+            if base + i in self.finished_choices or (i in outputs and outputs[i].finish_reason is not None):
+                continue
+            o = outputs.get(i)
+            outputs[i] = CompletionOutput(i, o.text if o else "", o.token_ids if o else [],
+                                          o.logprobs if o else None, "abort", None,
+                                          o.num_tokens if o else self.num_tokens.get(base + i, 0))
+        last = sofar or self.last.get(request_id)
+        return RequestOutput(request_id, list(outputs.values()), True, last.num_prompt_tokens if last else 0,
+                             last.num_cached_tokens if last else 0)
 
     def usage(self, finals: dict) -> Usage:
         completion = sum(self.num_tokens.values())
@@ -301,9 +342,16 @@ async def _stream_or_collect(req, job: "_Job", handles: list[RequestHandle], out
     the final outputs, or a 499 response when the client went away first."""
     if req.stream:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        return _sse(chunks(job, out_queue, include_usage), handles)
+        return _sse(chunks(job, out_queue, include_usage), handles, job)
     finals = await _collect(handles, out_queue, raw)
     return Response(status_code=499) if finals is None else finals
+
+
+def _num_prompts(prompt) -> int:
+    """How many prompts a completions `prompt` holds: a string, token ids, or a list of either."""
+    if isinstance(prompt, str) or not prompt or isinstance(prompt[0], int):
+        return 1
+    return len(prompt)
 
 
 def _abort(handles: list[RequestHandle]):
@@ -343,16 +391,17 @@ async def _collect(handles: list[RequestHandle], out_queue: asyncio.Queue, raw: 
         _abort(handles)
 
 
-def _sse(chunks, handles: list[RequestHandle]) -> StreamingResponse:
+def _sse(chunks, handles: list[RequestHandle], job: "_Job") -> StreamingResponse:
     async def events():
         try:
             async for data in chunks:
                 yield f"data: {json.dumps(data, ensure_ascii=False, separators=(',', ':'))}\n\n"
-        except RequestRejected as e:  # failed mid-stream: the status line is long gone, so say it here
-            yield f"data: {json.dumps(APIError(str(e), e.status).body())}\n\n"
         finally:
             # A closed stream (client gone, or cancelled) stops generation and frees the blocks now.
             _abort(handles)
+        if job.error is not None:  # failed mid-stream (after its final chunks): the status line is
+            e = job.error          # long gone, so say it here
+            yield f"data: {json.dumps(APIError(str(e), e.status).body())}\n\n"
         yield "data: [DONE]\n\n"
     return StreamingResponse(events(), media_type="text/event-stream",
                              headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
