@@ -23,6 +23,7 @@ added with the min_tokens bans, before penalties.
 from dataclasses import dataclass
 from typing import NamedTuple
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -247,10 +248,12 @@ def processed_logits(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tens
     return x
 
 
-def unpack_bitmask(masks: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    """[K, ceil(V / 32)] int32 bitmasks -> [K, V] bool, True where a token is allowed."""
-    shifts = torch.arange(32, dtype=torch.int32, device=masks.device)
-    return ((masks[:, :, None] >> shifts) & 1).flatten(1)[:, :vocab_size].bool()
+def unpack_bitmask(masks: torch.Tensor, vocab_size: int, allowed: bool = True) -> torch.Tensor:
+    """[K, ceil(V / 32)] int32 bitmasks (on the CPU) -> [K, V] bool, True where a token is allowed
+    (or, with allowed=False, where it is not)."""
+    words = masks.numpy().view(np.uint8)  # little-endian: byte i of word w holds tokens 32w + 8i ...
+    bits = np.unpackbits(words if allowed else ~words, axis=1, bitorder="little")
+    return torch.from_numpy(bits.view(np.bool_))[:, :vocab_size]
 
 
 def apply_token_bitmask(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
@@ -258,9 +261,12 @@ def apply_token_bitmask(logits: torch.Tensor, meta: SamplingMetadata) -> torch.T
     if logits.is_cuda:
         from nanovllm.kernels.sample import apply_token_bitmask_
         return apply_token_bitmask_(logits, meta.masks, meta.masked_rows)
-    rows = logits.index_select(0, meta.masked_rows)
-    rows.masked_fill_(~unpack_bitmask(meta.masks, logits.shape[1]), float("-inf"))
-    return logits.index_copy_(0, meta.masked_rows, rows)
+    forbidden = unpack_bitmask(meta.masks, logits.shape[1], allowed=False)
+    if forbidden.shape[0] == logits.shape[0]:  # every row (the masked rows are all, in order)
+        return logits.masked_fill_(forbidden, float("-inf"))
+    for k, row in enumerate(meta.masked_rows.tolist()):  # in place on each row: no gather of rows
+        logits[row].masked_fill_(forbidden[k], float("-inf"))
+    return logits
 
 
 def _on_rows(x: torch.Tensor, rows: torch.Tensor | None, fn) -> torch.Tensor:

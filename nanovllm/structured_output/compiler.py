@@ -54,8 +54,8 @@ class GrammarCompiler:
             c = self._compiler
             if kind == "json":
                 compiled = c.compile_json_schema(text, any_whitespace=not params.disable_any_whitespace)
-            elif kind == "json_object":
-                compiled = c.compile_builtin_json_grammar()
+            elif kind == "json_object":  # an object (OpenAI's JSON mode), not any JSON value
+                compiled = c.compile_json_schema('{"type": "object"}', any_whitespace=not params.disable_any_whitespace)
             elif kind == "regex":
                 compiled = c.compile_regex(text)
             elif kind in ("grammar", "choice"):

@@ -23,6 +23,7 @@ from nanovllm.entrypoints.openai.metrics import ServerMetrics
 from nanovllm.entrypoints.openai.protocol import (APIError, ChatCompletionRequest, CompletionRequest, ModelCard,
                                                   ModelList)
 from nanovllm.entrypoints.openai.serving import OpenAIServing
+from nanovllm.reasoning import REASONING_PARSERS
 
 logger = logging.getLogger("nanovllm.serve")
 
@@ -32,7 +33,8 @@ _UNAUTHENTICATED_PATHS = ("/health",)  # probes must work without credentials
 # serve's engine options and the Config fields they set (only when given).
 _ENGINE_OPTIONS = ("device", "dtype", "max_model_len", "max_num_seqs", "max_num_batched_tokens", "enforce_eager",
                    "kv_cache_memory_bytes", "num_kvcache_blocks", "gpu_memory_utilization", "tensor_parallel_size",
-                   "enable_prefix_caching", "kvcache_block_size", "seed", "attention_backend", "load_format")
+                   "enable_prefix_caching", "kvcache_block_size", "seed", "attention_backend", "load_format",
+                   "reasoning_parser")
 
 
 def add_serve_arguments(p: argparse.ArgumentParser):
@@ -67,6 +69,8 @@ def add_serve_arguments(p: argparse.ArgumentParser):
     g.add_argument("--attention-backend", default=None, choices=["auto", "torch", "triton"])
     g.add_argument("--load-format", default=None, choices=["auto", "safetensors", "dummy"])
     g.add_argument("--seed", type=int, default=None, help="seed of requests that give none")
+    g.add_argument("--reasoning-parser", default=None, choices=sorted(REASONING_PARSERS),
+                   help="split a reasoning model's <think> block into reasoning_content; constraints apply after it")
 
 
 # ---- the app --------------------------------------------------------------------------------
