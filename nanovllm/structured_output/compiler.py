@@ -6,6 +6,7 @@ cache holds every compiled grammar by (kind, text), as `StructuredOutputsParams.
 The tokenizer's special tokens (im_start, eos, ...) are kept out of every grammar: as text they
 would fit inside a JSON string, but the detokenizer drops them.
 """
+import json
 import os
 from collections import OrderedDict
 
@@ -53,15 +54,16 @@ class GrammarCompiler:
         try:
             c = self._compiler
             if kind == "json":
-                compiled = c.compile_json_schema(text, any_whitespace=not params.disable_any_whitespace)
+                compiled = c.compile_json_schema(_bounded_strings_as_patterns(text),
+                                                 any_whitespace=not params.disable_any_whitespace)
             elif kind == "json_object":  # an object (OpenAI's JSON mode), not any JSON value
                 compiled = c.compile_json_schema('{"type": "object"}', any_whitespace=not params.disable_any_whitespace)
             elif kind == "regex":
                 compiled = c.compile_regex(text)
             elif kind in ("grammar", "choice"):
                 compiled = c.compile_grammar(text)
-            else:
-                compiled = c.compile_structural_tag(text)
+            else:  # a structural tag: its JSON schemas too
+                compiled = c.compile_structural_tag(_bounded_strings_as_patterns(text))
         except Exception as e:
             raise ValueError(f"structured_outputs.{kind} could not be compiled: {xgrammar_message(e)}") from None
         self._cache[key] = compiled
@@ -69,3 +71,26 @@ class GrammarCompiler:
         while self._cache_bytes > _CACHE_BYTES and len(self._cache) > 1:
             self._cache_bytes -= self._cache.popitem(last=False)[1].memory_size_bytes
         return compiled
+
+
+def _bounded_strings_as_patterns(schema_text: str) -> str:
+    """xgrammar 0.2.9 compiles a string with minLength / maxLength into a repetition of
+    [^"\\\r\n], which lets raw control characters (tab, 0x03...) into the string: invalid JSON
+    (mlc-ai/xgrammar#800, fixes pending). The same bounds as a pattern go through its JSON-string
+    regex, which keeps them out; escapes are unavailable in both forms."""
+    if "Length" not in schema_text:
+        return schema_text
+
+    def rewrite(node):
+        if isinstance(node, list):
+            return [rewrite(x) for x in node]
+        if not isinstance(node, dict):
+            return node
+        node = {k: rewrite(v) for k, v in node.items()}
+        if (node.get("type") == "string" and "pattern" not in node and "format" not in node
+                and isinstance(node.get("minLength", 0), int) and isinstance(node.get("maxLength", 0), int)
+                and ("minLength" in node or "maxLength" in node)):
+            low, high = node.pop("minLength", 0), node.pop("maxLength", "")
+            node["pattern"] = f"^[\\s\\S]{{{low},{high}}}$"
+        return node
+    return json.dumps(rewrite(json.loads(schema_text)), ensure_ascii=False)
