@@ -92,3 +92,52 @@ def test_apply_token_bitmask_writes_minus_inf_outside_the_masks(dtype):
     expected = logits.clone()
     expected[masked_rows] = expected[masked_rows].masked_fill(~unpack_bitmask(masks, vocab), float("-inf"))
     assert torch.equal(out, expected)
+
+
+def _masked(logits, density, gen):
+    """logits with a grammar mask written in (every row: most tokens -inf), and the allowed set."""
+    masks = _random_masks(logits.shape[0], logits.shape[1], density, gen)
+    allowed = unpack_bitmask(masks, logits.shape[1])
+    out = apply_token_bitmask_(logits.clone().to(DEVICE), masks.to(DEVICE), torch.arange(logits.shape[0]).to(DEVICE))
+    return out, allowed
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("density", [0.002, 0.05])
+def test_top_k_kernels_under_masks(dtype, density):
+    """Rows whose mask leaves fewer tokens than top_k (the grammar's few allowed tokens, then -inf
+    ties over the rest of the row): the kernels draw what the torch path draws, always an allowed token."""
+    from nanovllm.kernels.sample_top_k import sample_top_k_rows
+    from nanovllm.layers.sampler import _sample_top_k
+    from test_sample_top_k import _distinct_logits
+    gen = torch.Generator().manual_seed(5)
+    rows, vocab = 12, 3001
+    logits, allowed = _masked(_distinct_logits(rows, vocab, gen, dtype), density, gen)
+    temps = torch.rand(rows, generator=gen) + 0.3
+    temps[::4] = 0.0
+    top_k = torch.randint(1, 100, (rows,), generator=gen)
+    top_p = torch.rand(rows, generator=gen) * 0.5 + 0.5
+    keys = row_keys(torch.randint(0, 2**62, (rows,), generator=gen), torch.randint(0, 900, (rows,), generator=gen))
+    x = logits.cpu().float() / torch.where(temps > 0, temps, 1.0)[:, None]
+    expected = torch.where(temps > 0, _sample_top_k(x, top_k, top_p, int(top_k.max()), keys), x.argmax(-1))
+    got = sample_top_k_rows(logits, *(t.to(DEVICE) for t in (temps, top_k, top_p, keys)), max_top_k=128).cpu()
+    assert allowed[torch.arange(rows), got].all()
+    if DEVICE == "cpu":
+        assert torch.equal(got, expected)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_top_p_kernel_under_masks(dtype):
+    from nanovllm.kernels.sample_top_p import sample_top_p_rows
+    from test_sample_top_p import _reference
+    gen = torch.Generator().manual_seed(6)
+    rows, vocab = 10, 3001
+    logits, allowed = _masked((torch.randn(rows, vocab, generator=gen) * 3).to(dtype), 0.01, gen)
+    temps = torch.rand(rows, generator=gen) + 0.5
+    temps[::5] = 0.0
+    top_p = torch.tensor([0.2, 0.5, 0.9, 0.99, 1.0] * 2)
+    keys = row_keys(torch.randint(0, 2**62, (rows,), generator=gen), torch.randint(0, 900, (rows,), generator=gen))
+    got = sample_top_p_rows(logits, *(t.to(DEVICE) for t in (temps, top_p, keys))).cpu()
+    assert allowed[torch.arange(rows), got].all()
+    if DEVICE == "cpu":
+        assert torch.equal(got, _reference(logits.cpu(), temps, top_p, keys))
