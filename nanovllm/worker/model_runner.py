@@ -279,6 +279,15 @@ class ModelRunner:
                 seqs = [Sequence([1, 2, 3], SamplingParams(temperature=0.8, **extra), seed=i) for i in range(rows)]
                 meta = build_sampling_metadata(seqs, self.device, self.eos_token_ids, vocab, stage=self.stage)
                 self.sampler.sample(logits, meta)
+            # Under grammar masks: the fused draw's masked variant, and the kernel writing masks into logits.
+            for extra in ({}, {"logprobs": 5}, {"top_k": 50}):
+                seqs = [Sequence([1, 2, 3], SamplingParams(temperature=0.8, **extra), seed=i) for i in range(rows)]
+                meta = build_sampling_metadata(seqs, self.device, self.eos_token_ids, vocab, stage=self.stage)
+                mask_rows, masks = self.bitmasks.host()
+                mask_rows[:rows] = range(rows)
+                masks[:rows] = -1  # every token allowed
+                meta.mask_rows, meta.masks, meta.masked_rows = self.bitmasks.send(rows, rows)
+                self.sampler.sample(logits.clone(), meta)
 
     # ---- one step -----------------------------------------------------------------------
     @torch.inference_mode()
