@@ -162,7 +162,7 @@ BAD = [
     ("completions", {"guided_decoding_backend": "outlines"}, "guided_decoding_backend", "must be 'xgrammar'"),
     ("completions", {"logit_bias": {"abc": 1}}, "logit_bias", "keys must be token ids"),
     ("completions", {"logit_bias": {"5": 300}}, "logit_bias", "[-100, 100]"),
-    ("completions", {"logit_bias": {"999999": 1}}, "prompt", "outside the vocabulary"),
+    ("completions", {"logit_bias": {"999999": 1}}, "logit_bias", "outside the vocabulary"),
     ("chat", {"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}},
      "tool_choice", "not among the tools"),
     ("chat", {"tool_choice": "required"}, "tool_choice", "needs tools"),

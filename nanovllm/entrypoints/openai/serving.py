@@ -25,6 +25,7 @@ from nanovllm.entrypoints.openai.protocol import (
 from nanovllm.entrypoints.openai.structured_requests import check_not_implemented, logit_bias, structured_outputs
 from nanovllm.entrypoints.openai.tool_parsers import ToolSet
 from nanovllm.reasoning import reasoning_parser
+from nanovllm.sampling_params import SamplingParams
 
 _MAX_N = 128            # completions per prompt: beyond this a request is more likely a mistake than a need
 _MIN_LOGPROB = -9999.0  # JSON has no -inf
@@ -172,7 +173,11 @@ class OpenAIServing:
             _abort(handles)
             e = errors[0]
             status = getattr(e, "status", 500)
-            raise APIError(str(e), status, param=prompt_field if status == 400 else None)
+            # The engine's 400s name what they reject first: a sampling field (logit_bias ids past the
+            # vocabulary, a grammar that does not compile), or else the prompt.
+            field = str(e).split(" ", 1)[0].split(".", 1)[0]
+            param = field if field in SamplingParams.__dataclass_fields__ else prompt_field
+            raise APIError(str(e), status, param=param if status == 400 else None)
         return handles, out_queue
 
     # ---- responses ------------------------------------------------------------------------
