@@ -4,6 +4,7 @@
     python bench.py --config benchmarks/configs/qwen3-8b.json
     python bench.py --model /path/to/Qwen3-0.6B        # real weights
     python bench.py --single              # one request: 128-token prompt, 512 new tokens, greedy
+    python bench.py --structured json     # also every request under one JSON schema (benchmarks/structured.py)
 
 Workload (nano-vllm's bench.py): random.seed(0); 256 prompts of randint(100, 1024) random token
 ids in [0, 10000], then max_tokens randint(100, 1024) each; temperature 0.6, ignore_eos. One
@@ -154,6 +155,11 @@ def model_dir(args) -> tuple[str, dict, str]:
             return args.model, json.load(f), "auto"
     tmp = tempfile.mkdtemp(prefix="nanovllm-bench-")
     shutil.copy(args.config, os.path.join(tmp, "config.json"))
+    if args.structured:  # constraints need a tokenizer beside the random weights
+        from nanovllm.models.model_path import resolve_model_path
+        source = args.tokenizer or resolve_model_path(None)
+        for name in ("tokenizer.json", "tokenizer_config.json"):
+            shutil.copy(os.path.join(source, name), os.path.join(tmp, name))
     with open(args.config) as f:
         return tmp, json.load(f), "dummy"
 
@@ -194,6 +200,11 @@ def main():
     ap.add_argument("--alloc-trace", action="store_true",
                     help="record where the timed run's device allocations (cudaMalloc) come from (slows the run)")
     ap.add_argument("--trace", metavar="FILE", help="with --profile: write the run's chrome trace to FILE")
+    ap.add_argument("--structured", choices=["json"],
+                    help="after the timed run, the same requests under one JSON schema against them unconstrained "
+                         "(alternated --repeat times): decode-step times, mask-fill time, compile times")
+    ap.add_argument("--tokenizer", help="with --structured and random weights: a directory with tokenizer.json and "
+                                        "tokenizer_config.json (default: the embedded SmolLM2's)")
     args = ap.parse_args()
 
     path, cfg, load_format = model_dir(args)
@@ -262,6 +273,10 @@ def main():
         prefill = prefill_walls(recorder.steps[first_step:], step_walls(recorder.times[first_step:], again + took))
         print(f"repeat {i} (fresh prompt tokens): {took:.2f}s, {sum(p.max_tokens for p in params) / took:,.0f} tok/s; "
               f"prefill/mixed {sum(prefill):.3f}s, step walls (ms): " + " ".join(f"{1e3 * w:.1f}" for w in prefill))
+    if args.structured:
+        from benchmarks import structured
+        structured_result = structured.compare(llm, prompts, params, args.repeat)
+        structured.report(structured_result)
     out_tokens = sum(len(o["token_ids"]) for o in outputs)
     assert out_tokens == sum(p.max_tokens for p in params)
     throughput = out_tokens / elapsed
@@ -281,6 +296,8 @@ def main():
         "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         "breakdown": step_breakdown(steps, times, start + elapsed, roof["step_ideal_s"]),
     }
+    if args.structured:
+        result["structured"] = structured_result
     if args.steps_json:
         walls = step_walls(times, start + elapsed)
         with open(args.steps_json, "w") as f:

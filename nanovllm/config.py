@@ -33,6 +33,8 @@ class Config:
     seed: int = 0
     kv_cache_memory_bytes: int | None = None
     attention_backend: str = "auto"
+    # Splits a reasoning model's thinking from its answer (nanovllm.reasoning): constraints apply after it.
+    reasoning_parser: str | None = None
 
     def __post_init__(self):
         if not isinstance(self.model, str) or not self.model:
@@ -61,6 +63,10 @@ class Config:
             raise ValueError(f"load_format must be 'auto', 'safetensors' or 'dummy', got {self.load_format!r}")
         if self.attention_backend not in ("auto", "torch", "triton"):
             raise ValueError(f"attention_backend must be 'auto', 'torch' or 'triton', got {self.attention_backend!r}")
+        from nanovllm.reasoning import REASONING_PARSERS
+        if self.reasoning_parser is not None and self.reasoning_parser not in REASONING_PARSERS:
+            raise ValueError(f"reasoning_parser must be one of {sorted(REASONING_PARSERS)} or None, "
+                             f"got {self.reasoning_parser!r}")
 
         self.device = resolve_device(self.device)
         if self.hf_config is None:

@@ -17,7 +17,23 @@ _CORPUS = [
 ] * 20
 
 
-def make_tokenizer(path: str, vocab_size: int = 400):
+# A Qwen3-like chat template, trimmed: tools listed in the system turn, assistant tool calls as
+# <tool_call> blocks, tool results as <tool_response> user turns, and enable_thinking=False closing
+# an empty <think> block in the generation prompt.
+QWEN3_LIKE = (
+    "{%- if tools %}<|im_start|>system\n{% if messages[0]['role'] == 'system' %}{{ messages[0]['content'] }}\n\n{% endif %}"
+    "# Tools\n<tools>{% for tool in tools %}\n{{ tool | tojson }}{% endfor %}\n</tools><|im_end|>\n"
+    "{%- elif messages[0]['role'] == 'system' %}<|im_start|>system\n{{ messages[0]['content'] }}<|im_end|>\n{% endif %}"
+    "{%- for m in messages %}{% if m['role'] == 'tool' %}<|im_start|>user\n<tool_response>\n{{ m['content'] }}"
+    "\n</tool_response><|im_end|>\n{% elif m['role'] != 'system' %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}"
+    "{% for c in m.get('tool_calls', []) %}\n<tool_call>\n{\"name\": \"{{ c['function']['name'] }}\", \"arguments\": "
+    "{{ c['function']['arguments'] | tojson }}}\n</tool_call>{% endfor %}<|im_end|>\n{% endif %}{% endfor %}"
+    "{%- if add_generation_prompt %}<|im_start|>assistant\n{% if enable_thinking is defined and not enable_thinking %}"
+    "<think>\n\n</think>\n\n{% endif %}{% endif %}")
+REASONING_TOKENS = ["<think>", "</think>", "<tool_call>", "</tool_call>"]
+
+
+def make_tokenizer(path: str, vocab_size: int = 400, extra_tokens=(), chat_template: str = CHATML):
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
@@ -26,7 +42,8 @@ def make_tokenizer(path: str, vocab_size: int = 400):
     tok.train_from_iterator(_CORPUS, trainer)
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>",
                                    bos_token=None)
-    fast.chat_template = CHATML
+    fast.add_tokens(list(extra_tokens))  # plain (not special) added tokens, as Qwen3's <think>
+    fast.chat_template = chat_template
     fast.save_pretrained(path)
     return fast
 
@@ -64,6 +81,14 @@ def make_model(path: str, arch: str, with_tokenizer: bool = True, seed: int = 0)
         model.config.eos_token_id = tok.eos_token_id
         model.generation_config.eos_token_id = tok.eos_token_id
     model.save_pretrained(path, safe_serialization=True)
+    return path
+
+
+def make_reasoning_model(path: str) -> str:
+    """The tiny random Qwen3 with <think>, </think>, <tool_call>, </tool_call> as single tokens and
+    the Qwen3-like template."""
+    make_model(path, "qwen3")
+    make_tokenizer(path, extra_tokens=REASONING_TOKENS, chat_template=QWEN3_LIKE)
     return path
 
 
@@ -143,3 +168,26 @@ def descendants(pid: int) -> list[int]:
         found += sorted(frontier)
     return found
 
+
+
+def whitespace_token_ids(tokenizer) -> list[int]:
+    """Tokens whose text is only whitespace: a random model under a JSON grammar (which allows any
+    whitespace between elements) can loop on them; `logit_bias` keeps it from doing so in tests."""
+    return [i for i in range(len(tokenizer)) if (t := tokenizer.decode([i])) and not t.strip()]
+
+
+def script_model(engine, token_ids: list[int]):
+    """Make the engine's model "write" token_ids, then eos: at output position i the logits of
+    token_ids[i] get +1000, so a greedy request follows the script wherever a grammar mask allows
+    it (and its own logits decide where not). For tests of output parsing."""
+    sampler = engine.model_runner.sampler
+    script = torch.tensor(list(token_ids) + [engine.config.eos])
+    inner = getattr(sampler, "_unscripted", sampler.sample)
+    sampler._unscripted = inner
+
+    def sample(logits, meta):
+        pos = meta.offsets.clamp(max=len(script) - 1)
+        logits = logits.clone()
+        logits[torch.arange(len(pos)), script.to(logits.device)[pos]] += 1000.0
+        return inner(logits, meta)
+    sampler.sample = sample

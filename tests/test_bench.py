@@ -91,3 +91,19 @@ def test_schedule_recorder_records_every_scheduled_step():
         scheduler.schedule()
     assert recorder.steps == [(1, [1, 7, 30], [6, 7, 130], [5, 0, 100]), (2, [1, 1], [6, 1], [5, 0])]
     assert len(recorder.times) == 2
+
+
+def test_bench_structured_compares_constrained_and_free_decode_steps(tmp_path):
+    from helpers import make_tokenizer
+    tokenizer = make_tokenizer(str(tmp_path / "tokenizer"))
+    out = tmp_path / "result.json"
+    proc = _bench(tmp_path, "--structured", "json", "--tokenizer", str(tmp_path / "tokenizer"), "--json", str(out))
+    result = json.loads(out.read_text())["structured"]
+    assert set(result["compile"]) == {"tool call (required, 1 tool)", "benchmark schema (20 strings)"}
+    assert all(t["cached_ms"] < t["first_ms"] for t in result["compile"].values())
+    assert result["bins"] and all(b["ratio"] > 0 and b["steps"] > 0 for b in result["bins"].values())
+    fill = result["mask_fill"]
+    assert fill["steps"] > 100 and 0 < fill["rows_per_step"] <= 5 and fill["ms_per_step"] > 0
+    assert fill["hidden_fraction"] is None  # no device to overlap with on the CPU
+    assert any(line.startswith("grammar compile, tool call") for line in proc.stdout.splitlines())
+    assert any("mask fill:" in line for line in proc.stdout.splitlines()) and len(tokenizer) == 400

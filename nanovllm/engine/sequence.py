@@ -37,6 +37,8 @@ class Sequence:
         self.stop_reason: int | str | None = None
         self.logprobs: list[dict] | None = [] if sampling_params.logprobs is not None else None
         self.num_preemptions = 0
+        # structured_output.manager.GrammarState while a constraint applies (set by the engine).
+        self.grammar = None
         # Trailing entries of token_ids sampled on the device but not yet seen by the host.
         self.num_pending_tokens = 0
         # Timestamps for metrics (filled by the engine).

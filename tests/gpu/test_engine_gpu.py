@@ -210,3 +210,43 @@ def test_qwen3_06b_bf16_triton_projections_agree_with_cublas(tmp_path, monkeypat
     with LLM(str(tmp_path), **kwargs) as ref:
         b = greedy_topk(ref, prompts, 8)
     assert_bf16_agreement(a, b, "our projections vs cuBLAS")
+
+
+def test_structured_outputs_graphs_and_overlap_identical_to_eager_fp32(model_factory):
+    """Constrained rows (masked CUDA graph draw, eager masked paths with top-k and logprobs) beside free
+    ones: the tokens of the eager engine, and of the engine without overlap (the deferred draw
+    waits for the previous step's tokens either way); every constrained output follows its grammar."""
+    import json
+    import re
+
+    from nanovllm import StructuredOutputsParams as C
+    kwargs = dict(dtype="float32", max_model_len=1024, max_num_seqs=64, gpu_memory_utilization=0.3)
+    prompts = make_prompts(6) * 2
+    schema = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 99},
+                                               "ok": {"type": "boolean"}}, "required": ["n", "ok"]}
+    kinds = [C(json=schema, disable_any_whitespace=True), C(choice=["alpha", "beta", "gamma"]), C(regex=r"[a-z]{3}\d")]
+    params = []
+    for i in range(len(prompts)):
+        extra = {"top_k": 20} if i == 7 else {"logprobs": 2} if i == 9 else {}
+        constraint = kinds[i % 3] if i % 4 != 3 else None  # every fourth row free
+        params.append(SamplingParams(temperature=0.0 if i % 5 == 0 else 0.8, seed=i, max_tokens=40,
+                                     structured_outputs=constraint, **extra))
+    runs = []
+    for eager, overlap in ((False, True), (True, True), (False, False)):
+        with LLM(model_factory("llama"), enforce_eager=eager, **kwargs) as llm:
+            llm.engine.overlap = overlap
+            outs = llm.generate(prompts, params, use_tqdm=False)
+            runs.append([o["token_ids"] for o in outs])
+            assert llm.engine.model_runner.mask_fill.steps > 0
+    assert runs[0] == runs[1] == runs[2]
+    for out, sp in zip(outs, params):
+        c = sp.structured_outputs
+        if c is None:
+            continue
+        assert out["finish_reason"] == "stop", out
+        if c.kind == "json":
+            assert set(json.loads(out["text"])) == {"n", "ok"}
+        elif c.kind == "choice":
+            assert out["text"] in ("alpha", "beta", "gamma")
+        else:
+            assert re.fullmatch(r"[a-z]{3}\d", out["text"])

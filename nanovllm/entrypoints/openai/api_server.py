@@ -27,6 +27,7 @@ from nanovllm.entrypoints.openai.protocol import (APIError, ChatCompletionReques
                                                   ModelList)
 from nanovllm.entrypoints.openai.request_body import parse_request, validation_error
 from nanovllm.entrypoints.openai.serving import OpenAIServing
+from nanovllm.reasoning import REASONING_PARSERS
 
 logger = logging.getLogger("nanovllm.serve")
 
@@ -36,7 +37,8 @@ _CONNECTIONS_HEADROOM = 256  # --limit-concurrency's default: requests that may 
 # serve's engine options and the Config fields they set (only when given).
 _ENGINE_OPTIONS = ("device", "dtype", "max_model_len", "max_num_seqs", "max_num_batched_tokens", "enforce_eager",
                    "kv_cache_memory_bytes", "num_kvcache_blocks", "gpu_memory_utilization", "tensor_parallel_size",
-                   "enable_prefix_caching", "kvcache_block_size", "seed", "attention_backend", "load_format")
+                   "enable_prefix_caching", "kvcache_block_size", "seed", "attention_backend", "load_format",
+                   "reasoning_parser")
 
 
 def add_serve_arguments(p: argparse.ArgumentParser):
@@ -84,6 +86,8 @@ def add_serve_arguments(p: argparse.ArgumentParser):
     g.add_argument("--attention-backend", default=None, choices=["auto", "torch", "triton"])
     g.add_argument("--load-format", default=None, choices=["auto", "safetensors", "dummy"])
     g.add_argument("--seed", type=int, default=None, help="seed of requests that give none")
+    g.add_argument("--reasoning-parser", default=None, choices=sorted(REASONING_PARSERS),
+                   help="split a reasoning model's <think> block into reasoning_content; constraints apply after it")
 
 
 # ---- the app --------------------------------------------------------------------------------
