@@ -8,9 +8,9 @@ token by token while the pages stay large (256 tokens by default: big pages keep
 - Where that prefix ends inside a block, the request gets a fresh block whose leading tokens' KV
   is copied on the device from the cached block sharing the most of them (`take_copies`: the
   step's copies, one kernel launch for all of them), or takes that block itself when it is free
-  and holds exactly those tokens (the next turn of a conversation: no copy at all). A copy's source
-  is pinned (referenced) until the step is launched, so it cannot be handed out or overwritten
-  before the copy has read it.
+  and holds exactly those tokens (the next turn of a conversation: no copy at all; the block stays
+  offered, since its new owner only appends). A copy's source is pinned (referenced) until the
+  step is launched, so it cannot be handed out or overwritten before the copy has read it.
 
 Lookup: every indexed block, full or partial, is listed under its parent (the chain hash of the
 blocks before it, None for a first block) in a list sorted by its tokens. The entry sharing the
@@ -236,8 +236,7 @@ class BlockManager:
         for block_id in blocks:
             self._reference(self.blocks[block_id])
             seq.block_table.append(block_id)
-        if take_source:
-            self._unindex(source)
+        if take_source:  # still offered: seq only appends to the tokens its entry names
             self._reference(source)
             seq.block_table.append(source.block_id)
             num_new_blocks -= 1

@@ -170,7 +170,12 @@ def test_a_free_block_holding_exactly_the_hit_is_taken_without_a_copy():
     assert hit == (table[:2], table[2], 10, 42)
     assert bm.allocate(turn2, turn2.num_tokens - hit.num_tokens, hit)
     assert turn2.block_table == table and bm.take_copies() == [] and not bm._pinned
-    assert bm.blocks[table[2]].token_ids is None  # no longer offered: it is being written
+    # Still offered (its new owner only appends): a request in the same step copies from it.
+    other = _seq(list(range(100, 140)) + [7, 8, 60])
+    assert bm.lookup_prefix(other) == (table[:2], table[2], 10, 42)
+    assert bm.allocate(other, 1, bm.lookup_prefix(other)) and bm.take_copies() == [(table[2], other.block_table[2], 10)]
+    bm.release_pins()
+    bm.free(other)
     check_block_manager(bm, [turn2])
     turn2.num_computed_tokens = turn2.num_tokens
     bm.free(turn2)

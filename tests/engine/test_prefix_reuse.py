@@ -5,7 +5,8 @@ import random
 
 import pytest
 
-from helpers import check_block_manager
+from helpers import assert_greedy_match, check_block_manager
+from nanovllm import LLM
 from nanovllm.config import Config
 from nanovllm.engine.llm_engine import LLMEngine
 from nanovllm.sampling_params import SamplingParams
@@ -186,3 +187,70 @@ def test_later_first_turns_copy_the_shared_system_prompt(make_engine):
     while engine.has_unfinished():
         engine.step()
     check_block_manager(engine.block_manager, [])
+
+
+# ---- the real engine on a tiny model ---------------------------------------------------------------
+def _chat(llm, ref, rng, num_conversations=3, num_turns=3, max_tokens=8):
+    """Conversations sharing a 40-token system prompt, one turn of each per generate call (the
+    next turn's prompt: the history, the answer and a new message); every answer checked
+    against HF's greedy continuation. Returns num_cached_tokens per turn and the history lengths."""
+    system = [rng.randrange(3, 500) for _ in range(40)]
+    prompts = [system + [rng.randrange(3, 500) for _ in range(rng.randint(3, 30))] for _ in range(num_conversations)]
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    cached, repeated = [], []
+    for turn in range(num_turns):
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        for p, out in zip(prompts, outs):
+            assert_greedy_match(out["token_ids"], *ref.greedy(p, max_tokens), f"turn {turn}, prompt of {len(p)}")
+        cached.append([out["num_cached_tokens"] for out in outs])
+        histories = [p + out["token_ids"] for p, out in zip(prompts, outs)]
+        repeated.append([len(h) for h in histories])
+        prompts = [h + [rng.randrange(3, 500) for _ in range(rng.randint(1, 30))] for h in histories]
+    return cached, repeated
+
+
+@pytest.mark.parametrize("arch,kw", [
+    ("qwen3", dict()),                                                   # 256-token pages: every hit ends inside one
+    ("llama", dict(kvcache_block_size=16, max_num_batched_tokens=24)),   # hits followed by chunked prefill
+    ("qwen3", dict(kvcache_block_size=16, num_kvcache_blocks=12, max_model_len=192)),  # preemption
+])
+@pytest.mark.parametrize("overlap", [False, True])
+def test_multi_turn_chat_matches_hf(arch, kw, overlap, model_factory, hf_reference):
+    llm = LLM(model_factory(arch), dtype="float32", **kw)
+    llm.engine.overlap = overlap
+    cached, repeated = _chat(llm, hf_reference(arch), random.Random(11))
+    # Sent together: nothing was computed yet, but in chunks the first prompt may be by the time
+    # the others are admitted (then they find the system prompt).
+    assert cached[0][0] == 0 and all(c <= 40 for c in cached[0])
+    # Later turns: the whole history but the answer's last token (never computed); under
+    # preemption a history may have been evicted meanwhile, in part.
+    for turn in range(1, len(cached)):
+        expected = [n - 1 for n in repeated[turn - 1]]
+        if "num_kvcache_blocks" in kw:
+            assert all(40 <= c <= e for c, e in zip(cached[turn], expected)) and cached[turn] != [40] * 3
+        else:
+            assert cached[turn] == expected
+    if "num_kvcache_blocks" in kw:
+        assert llm.engine.scheduler.num_preemptions > 0
+    check_block_manager(llm.engine.block_manager, [])
+
+
+def test_reuse_off_matches_hf_and_caches_nothing(model_factory, hf_reference):
+    llm = LLM(model_factory("qwen3"), dtype="float32", enable_prefix_caching=False)
+    cached, _ = _chat(llm, hf_reference("qwen3"), random.Random(11), num_turns=2)
+    assert cached == [[0, 0, 0], [0, 0, 0]]
+    bm = llm.engine.block_manager
+    assert bm.prefix_hits == 0 and not bm.children and bm.num_free_blocks == bm.num_blocks
+
+
+def test_a_one_token_request_shares_its_prompt(model_factory, hf_reference):
+    """max_tokens=1 (scoring, classification, warming a system prompt) finishes in the step that
+    computes its prompt; the next request with that prompt reuses it all but the last token."""
+    llm = LLM(model_factory("qwen3"), dtype="float32")
+    prompt = list(range(3, 103))
+    first = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=1), use_tqdm=False)[0]
+    assert first["num_cached_tokens"] == 0 and len(first["token_ids"]) == 1
+    again = llm.generate([prompt + [7, 8]], SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True),
+                         use_tqdm=False)[0]
+    assert again["num_cached_tokens"] == 100  # the whole first prompt (its sampled token never had KV)
+    assert_greedy_match(again["token_ids"], *hf_reference("qwen3").greedy(prompt + [7, 8], 6))
