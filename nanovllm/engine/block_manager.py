@@ -198,8 +198,14 @@ class BlockManager:
         decode step that completes no block."""
         if not self.enable_prefix_caching:
             return
-        known = min(seq.num_computed_tokens, seq.num_tokens - seq.num_pending_tokens)
+        known = seq.num_computed_tokens
+        settled = len(seq.token_ids) - seq.num_pending_tokens
+        if settled < known:
+            known = settled
         bs = self.block_size
+        published = seq.num_published_tokens
+        if not final and known // bs <= published // bs and (known <= published or published >= seq.num_prompt_tokens):
+            return  # a decode step inside a block (the usual case): nothing new
         table = seq.block_table
         num_full = min(known // bs, len(table))
         tokens = seq.token_ids
