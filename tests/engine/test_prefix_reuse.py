@@ -254,3 +254,24 @@ def test_a_one_token_request_shares_its_prompt(model_factory, hf_reference):
                          use_tqdm=False)[0]
     assert again["num_cached_tokens"] == 100  # the whole first prompt (its sampled token never had KV)
     assert_greedy_match(again["token_ids"], *hf_reference("qwen3").greedy(prompt + [7, 8], 6))
+
+
+def test_embedded_model_chat_reuses_the_previous_turn_and_matches_hf(smollm_dir):
+    """The real model, chatting through its template (256-token pages): the second turn's prompt
+    is re-tokenized text, and the cache serves exactly what it shares with the first turn's tokens
+    (less the answer's last token, never computed); both answers are HF's greedy ones."""
+    from helpers import HFReference
+    llm = LLM(dtype="float32")
+    ref = HFReference(smollm_dir)
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    conversation = [{"role": "system", "content": "You are a terse assistant. Answer in one sentence."},
+                    {"role": "user", "content": "What is the capital of France?"}]
+    first = llm.chat(conversation, params, use_tqdm=False)[0]
+    conversation += [{"role": "assistant", "content": first["text"]}, {"role": "user", "content": "Why?"}]
+    second = llm.chat(conversation, params, use_tqdm=False)[0]
+    before, ids = first["prompt_token_ids"] + first["token_ids"], second["prompt_token_ids"]
+    shared = next((k for k, (a, b) in enumerate(zip(ids, before)) if a != b), len(before))
+    assert second["num_cached_tokens"] == min(shared, len(before) - 1) > len(first["prompt_token_ids"]) // 2
+    for out in (first, second):
+        assert_greedy_match(out["token_ids"], *ref.greedy(out["prompt_token_ids"], 16))
+    llm.shutdown()
