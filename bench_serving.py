@@ -203,20 +203,24 @@ async def chat(client, args, model: str, system: list[int], turns, index: int, o
     for turn, (message, output_len) in enumerate(turns):
         prompt = history + message
         result = await one_request(client, args, model, prompt, output_len, want_tokens=True)
-        out.append(Turn(index, turn, min(shared, len(prompt) - 1), result))  # a last prompt token is always computed
+        out.append(Turn(index, turn, min(shared, len(prompt) - 1), result))  # the last prompt token is computed
         if not result.ok:
             return
         answer = result.token_ids
-        history = prompt + (answer if answer is not None else [rng.randrange(*ids) for _ in range(result.output_tokens)])
-        shared = len(history) if answer is not None else len(prompt)
+        if answer is None:  # the server spelled it as text: a stand-in the server has never seen
+            history, shared = prompt + [rng.randrange(*ids) for _ in range(result.output_tokens)], len(prompt)
+        else:
+            history = prompt + answer
+            shared = len(history)
 
 
 async def drive_multi_turn(args) -> tuple[list[Turn], float, str]:
     model, ids = await served_model(args)
     rng = random.Random(args.seed)
     system = [rng.randrange(*ids) for _ in range(args.system_len)]
-    conversations = [[([rng.randrange(*ids) for _ in range(rng.randint(*args.input_len))], rng.randint(*args.output_len))
-                      for _ in range(rng.randint(*args.turns))] for _ in range(args.num_prompts)]
+    def message():
+        return [rng.randrange(*ids) for _ in range(rng.randint(*args.input_len))], rng.randint(*args.output_len)
+    conversations = [[message() for _ in range(rng.randint(*args.turns))] for _ in range(args.num_prompts)]
     turns: list[Turn] = []
     async with _client(args) as client:
         if args.warmup:  # a server in production has the system prompt cached
@@ -224,10 +228,11 @@ async def drive_multi_turn(args) -> tuple[list[Turn], float, str]:
         gate = asyncio.Semaphore(args.concurrency) if args.concurrency else None
 
         async def limited(i, conversation):
+            talk = chat(client, args, model, system, conversation, i, turns, random.Random(args.seed + i), ids)
             if gate is None:
-                return await chat(client, args, model, system, conversation, i, turns, random.Random(args.seed + i), ids)
+                return await talk
             async with gate:
-                return await chat(client, args, model, system, conversation, i, turns, random.Random(args.seed + i), ids)
+                return await talk
 
         start = time.perf_counter()
         tasks = []

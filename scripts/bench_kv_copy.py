@@ -59,7 +59,8 @@ def main():
     llm = LLM(model, load_format="dummy", max_model_len=args.tokens + 256, max_num_batched_tokens=args.tokens)
     runner = llm.engine.model_runner
     block_size = runner.block_size
-    print(f"KV cache {tuple(runner.kv_cache.shape)} {runner.kv_cache.dtype}, {runner.num_blocks} blocks of {block_size}")
+    kv = runner.kv_cache
+    print(f"KV cache {tuple(kv.shape)} {kv.dtype}, {runner.num_blocks} blocks of {block_size}")
     results = {}
     with torch.inference_mode():
         for num_copies in map(int, args.copies.split(",")):
@@ -72,9 +73,9 @@ def main():
             step_many = device_ms(prefill_step(runner, args.tokens, num_copies), 5)
             results[num_copies] = dict(copy_ms=copy_ms, copy_tb_s=moved / copy_ms / 1e9, step_1_seq_ms=step_one,
                                        step_n_seqs_ms=step_many, share_of_step=copy_ms / step_many)
-            print(f"{num_copies:3d} copies of {block_size - 1} tokens: {copy_ms * 1e3:8.1f} us ({moved / copy_ms / 1e9:.2f} TB/s); "
-                  f"prefill of {args.tokens} tokens: {step_one:.2f} ms (1 sequence), {step_many:.2f} ms ({num_copies} sequences): "
-                  f"copy = {copy_ms / step_many:.2%} of the step")
+            print(f"{num_copies:3d} copies of {block_size - 1} tokens: {copy_ms * 1e3:8.1f} us "
+                  f"({moved / copy_ms / 1e9:.2f} TB/s); prefill of {args.tokens} tokens: {step_one:.2f} ms "
+                  f"(1 sequence), {step_many:.2f} ms ({num_copies} sequences): copy = {copy_ms / step_many:.2%} of the step")
     print(json.dumps(results))
     llm.shutdown()
     shutil.rmtree(model, ignore_errors=True)
