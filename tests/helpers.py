@@ -134,6 +134,30 @@ def assert_greedy_match(ours: list[int], hf_tokens: list[int], hf_scores: list[t
     assert len(ours) == len(hf_tokens), f"{what}: lengths differ: {len(ours)} vs {len(hf_tokens)}"
 
 
+def check_block_manager(bm, live):
+    """A BlockManager's invariants, given the sequences that hold blocks: reference counts equal
+    the block tables (plus the pinned copy sources); the free list holds exactly the unreferenced
+    blocks; the prefix index is sorted and agrees with the blocks."""
+    refs = [0] * bm.num_blocks
+    for seq in live:
+        for b in seq.block_table:
+            refs[b] += 1
+    for b in bm._pinned:
+        refs[b] += 1
+    assert [blk.ref_count for blk in bm.blocks] == refs
+    assert set(bm.free_blocks) == {i for i, r in enumerate(refs) if r == 0}
+    indexed = set()
+    for parent, entries in bm.children.items():
+        assert entries == sorted(entries) and entries
+        for tokens, b in entries:
+            blk = bm.blocks[b]
+            assert blk.token_ids == tokens and blk.parent == parent and b not in indexed
+            indexed.add(b)
+    assert indexed == {blk.block_id for blk in bm.blocks if blk.token_ids is not None}
+    assert all(bm.blocks[b].hash == h and len(bm.blocks[b].token_ids) == bm.block_size
+               for h, b in bm.hash_to_block.items())
+
+
 # ---- processes, from /proc (psutil-free) ------------------------------------------------------
 def _process_table() -> dict[int, tuple[int, str]]:
     """pid -> (parent pid, state letter) of every process."""

@@ -26,9 +26,9 @@ class Sequence:
         self.num_prompt_tokens = len(token_ids)
         # KV of token_ids[:num_computed_tokens] is in the cache; the scheduler advances it.
         self.num_computed_tokens = 0
-        self.num_cached_tokens = 0  # prompt tokens served by the prefix cache at admission
+        self.num_cached_tokens = 0  # prompt tokens served by the prefix cache at first admission
         self.block_table: list[int] = []
-        self.num_published_blocks = 0  # leading blocks of block_table offered to the prefix cache
+        self.num_published_tokens = 0  # leading tokens of block_table offered to the prefix cache
         self.status = SequenceStatus.WAITING
         self.sampling_params = sampling_params
         self.seed = seed  # drives this sequence's sampling noise, independent of the batch

@@ -13,6 +13,19 @@ def store_kv_cache(key, value, k_cache, v_cache, slot_mapping):
     v_cache.view(-1, *v_cache.shape[2:])[slots] = value[valid].to(v_cache.dtype)
 
 
+def copy_kv_prefixes(kv_cache, copies, max_tokens=None):
+    """Reference of ``nanovllm.kernels.copy_kv.copy_kv_prefixes``: the cache as rows of one
+    token's K or V per layer, each destination row gathered from its source row."""
+    two, num_layers, num_blocks, block_size = kv_cache.shape[:4]
+    rows = kv_cache.view(two * num_layers, num_blocks * block_size, -1)
+    src_rows, dst_rows = [], []
+    for src, dst, n in copies.t().tolist():
+        src_rows += range(src * block_size, src * block_size + n)
+        dst_rows += range(dst * block_size, dst * block_size + n)
+    if dst_rows:
+        rows[:, torch.tensor(dst_rows)] = rows[:, torch.tensor(src_rows)]
+
+
 def gather_kv(cache: torch.Tensor, block_table: torch.Tensor, length: int) -> torch.Tensor:
     """The first ``length`` tokens of one sequence: ``[length, num_kv_heads, head_dim]``."""
     block_size = cache.shape[1]

@@ -10,6 +10,7 @@ copy and launches the draw, while the forward pass runs on the device."""
 from dataclasses import dataclass
 from operator import attrgetter
 
+import numpy as np
 import torch
 
 from nanovllm.attention.registry import get_attention_backend
@@ -25,7 +26,7 @@ from nanovllm.layers.sampling_metadata import SamplingMetadata
 from nanovllm.worker.gemm_warmup import warm_gemms
 from nanovllm.worker.grammar_masks import BitmaskBuffers, MaskFillStats, timed_fill
 from nanovllm.worker.inputs import (HostInputs, HostToDevice, TransferSlots, build_host_inputs, fill_decode_inputs,
-                                    to_device)
+                                    kv_copies_array, to_device)
 from nanovllm.worker.sampling_inputs import build_sampling_metadata
 
 _CPU_DEFAULT_KV_BYTES = 512 << 20
@@ -138,7 +139,10 @@ class ModelRunner:
         # Block ids are shared by all tensor-parallel ranks: every rank holds as many as the smallest.
         self.num_blocks = min_over_ranks(self._num_kv_blocks())
         self.kv_cache = self._allocate_kv_cache(self.num_blocks)
+        self._copy_kernel = None  # the torch path copies on the CPU
         if self.device.type == "cuda":
+            from nanovllm.kernels.copy_kv import copy_kv_prefixes
+            self._copy_kernel = copy_kv_prefixes
             self._compile_kernels()
         if self.device.type == "cuda" and not config.enforce_eager and self.backend.supports_cuda_graphs:
             from nanovllm.worker.cuda_graph import CUDAGraphRunner
@@ -252,6 +256,7 @@ class ModelRunner:
                 seqs.append(seq)
             self.execute(ScheduledBatch(seqs, lens, num_decodes=sum(1 for n in lens if n == 1))).token_ids()
         self._last_sampled, self._last_row_of_seq = None, {}
+        self.copy_kv_prefixes(np.array([[0], [0], [1]], dtype=np.int64))  # a block onto itself: no change
         warm_gemms(self.model, self.config.max_num_batched_tokens, self.config.max_num_seqs, self.device,
                    self.config.torch_dtype)
         self._warm_sampler()
@@ -296,6 +301,8 @@ class ModelRunner:
         `sample` (the batch has rows under a grammar)."""
         g = self.graph_runner
         if g is not None and g.capture_sampler and g.can_run(len(batch.seqs), batch.num_decodes):
+            if batch.kv_copies:  # a prefix hit one token short of the prompt admits a "decode"
+                self.copy_kv_prefixes(kv_copies_array(batch.kv_copies))
             return self._execute_graphed_decode(batch.seqs, defer_sampling)
         host = self.host_inputs(batch)
         seqs = [batch.seqs[i] for i in host.sample_rows]
@@ -342,6 +349,8 @@ class ModelRunner:
         """Forward pass over prepared inputs; sample when sample_seqs is given (tensor-parallel
         workers other than rank 0 pass None: they only contribute to the forward), or leave the
         draw to `sample` when defer_sampling."""
+        if host.kv_copies is not None:
+            self.copy_kv_prefixes(host.kv_copies)
         fb = to_device(host, self.stage, self.config.max_model_len)
         if fb.pending_dst is not None:
             fb.input_ids[fb.pending_dst] = self._pending_tokens()[fb.pending_src]
@@ -361,6 +370,18 @@ class ModelRunner:
         if defer_sampling:
             return StepOutput(sample_seqs, None, deferred=_DeferredDraw(logits, meta, None, self._forward_done()))
         return StepOutput(sample_seqs, self._draw(sample_seqs, logits, meta))
+
+    def copy_kv_prefixes(self, copies: np.ndarray):
+        """Start blocks of requests whose prefix hit ends inside a cached block: the leading tokens'
+        KV of each source block ([3, C]: sources, destinations, tokens), every layer, before the
+        step's forward on the same stream (the sources' KV was written by steps launched before;
+        the block manager keeps the sources from reuse until this step is launched)."""
+        if self._copy_kernel is not None:
+            self._copy_kernel(self.kv_cache, self.stage(copies)[0], int(copies[2].max()))
+            return
+        kv = self.kv_cache
+        for src, dst, n in copies.T.tolist():
+            kv[:, :, dst, :n] = kv[:, :, src, :n]
 
     def _pending_tokens(self) -> torch.Tensor:
         """The previous step's sampled tokens, which this step's pending inputs index. Only rank 0

@@ -43,6 +43,36 @@ def test_prefix_chunked_preempted_overlapped_fp32(model_factory, hf_reference):
     llm.shutdown()
 
 
+def test_partial_block_hits_through_the_graphs_fp32(model_factory, hf_reference):
+    """256-token pages: a next turn's hit ends inside a block, whose leading tokens the Triton
+    kernel copies before the step, ahead of the piecewise graphs (the rest of the prompt) and of the
+    decode graphs (a prompt one token past a cached one is a one-token step: a 'decode')."""
+    llm = LLM(model_factory("qwen3"), dtype="float32", max_model_len=1024, max_num_seqs=64,
+              gpu_memory_utilization=0.3)
+    runner = llm.engine.model_runner
+    assert runner.graph_runner is not None and runner.piecewise is not None
+    copies = []
+    kernel = runner._copy_kernel
+    runner._copy_kernel = lambda kv, c, n: (copies.append(c.shape[1]), kernel(kv, c, n))
+    prompts = make_prompts(8, lengths=(30, 129, 250, 400))
+    answers = greedy(llm, prompts)
+    histories = [p + a for p, a in zip(prompts, answers)]
+    # Longer than the first prompts: the copy's source is the first turn's partial block, which
+    # holds more tokens than are shared (not the block itself: that is taken when it holds exactly them).
+    turn2 = [histories[0][:20] + [7] * 40, histories[1][:100] + [9] * 5, histories[2] + [11, 12, 13]]
+    outs = llm.generate(turn2, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True), use_tqdm=False)
+    assert [o["num_cached_tokens"] for o in outs] == [20, 100, len(histories[2]) - 1]
+    one_more = histories[3][:300] + [5]  # 300 tokens cached: a step of one token, alone
+    alone = llm.generate([one_more], SamplingParams(temperature=0, max_tokens=24, ignore_eos=True), use_tqdm=False)[0]
+    assert alone["num_cached_tokens"] == 300
+    assert len(copies) == 2 and sum(copies) == 3  # one launch per step: 2 copies, then 1
+    for p, out in zip(turn2 + [one_more], outs + [alone]):
+        assert_greedy_match(out["token_ids"], *hf_reference("qwen3").greedy(p, 24), f"prompt of {len(p)}")
+    bm = llm.engine.block_manager
+    assert bm.num_free_blocks == bm.num_blocks
+    llm.shutdown()
+
+
 def test_cuda_graphs_identical_to_eager_fp32(model_factory):
     kwargs = dict(dtype="float32", max_model_len=1024, max_num_seqs=64, gpu_memory_utilization=0.3)
     prompts = make_prompts(4) * 3  # 24 sequences: padded up to a captured batch size
