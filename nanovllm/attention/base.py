@@ -12,7 +12,8 @@ import torch
 
 @dataclass
 class AttentionMetadata:
-    # Sequences are ordered with the decodes (query length 1) first.
+    # Sequences are ordered with the decodes first: decode_query_len query tokens each (1, or a
+    # speculative verification step's last token and drafts in a CUDA graph of that width).
     num_seqs: int
     num_decodes: int
     slot_mapping: torch.Tensor      # [num_tokens] int64: cache slot of each new token (-1: skip)
@@ -37,10 +38,12 @@ class AttentionMetadata:
     # The torch backend's decode layout for this step (cache rows to gather, key mask), built by the
     # first layer that needs it and reused by the others: the same for every layer of a step.
     decode_gather: tuple[torch.Tensor, torch.Tensor] | None = None
+    # Query tokens of each decode row, the newest last (causal among them).
+    decode_query_len: int = 1
 
     @property
     def num_decode_tokens(self) -> int:
-        return self.num_decodes
+        return self.num_decodes * self.decode_query_len
 
 
 class AttentionBackend(ABC):
@@ -66,11 +69,11 @@ class AttentionBackend(ABC):
             out = torch.empty_like(q)
         else:
             assert out.shape == q.shape and out.dtype == q.dtype, (out.shape, q.shape)
-        nd = meta.num_decodes
-        if nd:
-            self.decode(q[:nd], k_cache, v_cache, meta, scale, out[:nd])
-        if nd < meta.num_seqs:
-            self.prefill(q[nd:], k_cache, v_cache, meta, scale, out[nd:])
+        nt = meta.num_decode_tokens
+        if nt:
+            self.decode(q[:nt], k_cache, v_cache, meta, scale, out[:nt])
+        if meta.num_decodes < meta.num_seqs:
+            self.prefill(q[nt:], k_cache, v_cache, meta, scale, out[nt:])
         return out
 
     @abstractmethod
@@ -81,7 +84,8 @@ class AttentionBackend(ABC):
     @abstractmethod
     def decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
                scale: float, out: torch.Tensor):
-        """q/out: [num_decodes, Hq, D], one token per sequence (the batch's first sequences)."""
+        """q/out: [num_decode_tokens, Hq, D], decode_query_len tokens per sequence (the batch's first
+        sequences), each attending to its context up to its own position."""
 
     @abstractmethod
     def prefill(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
@@ -89,6 +93,6 @@ class AttentionBackend(ABC):
         """q/out: the tokens of the sequences after the decodes (chunks, prefix hits, prompts)."""
 
     def setup(self, max_num_seqs: int, num_q_heads: int, num_kv_heads: int, head_dim: int,
-              max_model_len: int, device: torch.device):
+              max_model_len: int, device: torch.device, max_decode_query_len: int = 1):
         """Called once at start-up with the largest shapes, to preallocate work buffers."""
 

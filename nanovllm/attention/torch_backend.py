@@ -22,10 +22,10 @@ class TorchAttentionBackend(AttentionBackend):
         out.copy_(self._decode(q, k_cache, v_cache, meta, scale))
 
     def prefill(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float, out):
-        nd = meta.num_decodes  # q starts after the decode tokens, one per decode
+        nd, nt = meta.num_decodes, meta.num_decode_tokens  # q starts after the decode tokens
         qsl, lens = meta.query_start_loc_host, meta.seq_lens_host
         for i in range(nd, meta.num_seqs):
-            start, end = qsl[i] - nd, qsl[i + 1] - nd
+            start, end = qsl[i] - nt, qsl[i + 1] - nt
             out[start:end] = self._prefill_one(q[start:end], k_cache, v_cache, meta.block_tables[i], lens[i], scale)
 
     @staticmethod
@@ -50,6 +50,8 @@ class TorchAttentionBackend(AttentionBackend):
         # of each KV head form the "query length" of one SDPA call: [B, Hkv, group, D], so GQA
         # needs no copy of the keys per query head.
         nd = meta.num_decodes
+        if meta.decode_query_len > 1:
+            return TorchAttentionBackend._multi_query_decode(q, k_cache, v_cache, meta, scale)
         num_kv_blocks, block_size, hkv, d = k_cache.shape
         if meta.decode_gather is None:
             max_len = max(meta.seq_lens_host[:nd])
@@ -65,6 +67,20 @@ class TorchAttentionBackend(AttentionBackend):
         qg = q.reshape(nd, hkv, -1, d)  # query head h belongs to KV head h // group
         o = F.scaled_dot_product_attention(qg, k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask, scale=scale)
         return o.reshape(q.shape)
+
+    @staticmethod
+    def _multi_query_decode(q, k_cache, v_cache, meta, scale):
+        """decode_query_len tokens per sequence, the last positions of its context (a row at a
+        negative position, or of a padding row, gives zeros as the Triton kernel does)."""
+        query_len = meta.decode_query_len
+        out = torch.zeros_like(q)
+        for i, length in enumerate(meta.seq_lens_host[:meta.num_decodes]):
+            first = max(query_len - length, 0)  # rows before the context's start see nothing
+            if first < query_len:
+                rows = slice(i * query_len + first, (i + 1) * query_len)
+                out[rows] = TorchAttentionBackend._prefill_one(q[rows], k_cache, v_cache, meta.block_tables[i],
+                                                               length, scale)
+        return out
 
 
 def _sdpa(q, k, v, mask, causal, scale):

@@ -14,22 +14,23 @@ class TritonAttentionBackend(AttentionBackend):
     def __init__(self):
         self.workspace = None
 
-    def setup(self, max_num_seqs, num_q_heads, num_kv_heads, head_dim, max_model_len, device):
-        # Split partials for the worst batch size (B x splits(B) peaks at some B), allocated once
-        # so that CUDA graphs capture fixed addresses.
-        rows = max(b * choose_num_splits(b, num_q_heads, num_kv_heads, head_dim, device, max_model_len)
-                   for b in range(1, max_num_seqs + 1))
+    def setup(self, max_num_seqs, num_q_heads, num_kv_heads, head_dim, max_model_len, device, max_decode_query_len=1):
+        # Split partials for the worst batch size (B x Q x splits(B) peaks at some B), for every
+        # query length up to the largest, allocated once so that CUDA graphs capture fixed addresses.
+        rows = max(b * q * choose_num_splits(b, num_q_heads, num_kv_heads, head_dim, device, max_model_len, q)
+                   for b in range(1, max_num_seqs + 1) for q in range(1, max_decode_query_len + 1))
         self.workspace = alloc_decode_workspace(rows, num_q_heads, head_dim, 1, device)
 
     def store_kv(self, k, v, k_cache, v_cache, slot_mapping):
         store_kv_cache(k, v, k_cache, v_cache, slot_mapping)
 
     def decode(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float, out):
-        nd = meta.num_decodes
+        nd, query_len = meta.num_decodes, meta.decode_query_len
         hint = meta.max_seq_len_bound or meta.max_seq_len
-        splits = choose_num_splits(nd, q.shape[1], k_cache.shape[2], q.shape[2], q.device, hint)
+        splits = choose_num_splits(nd, q.shape[1], k_cache.shape[2], q.shape[2], q.device, hint, query_len)
         paged_decode_attention(q, k_cache, v_cache, meta.block_tables[:nd], meta.seq_lens[:nd], scale,
-                               out=out, num_splits=splits, workspace=self.workspace, order=meta.decode_order)
+                               out=out, num_splits=splits, workspace=self.workspace, order=meta.decode_order,
+                               query_len=query_len)
 
     def prefill(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float, out):
         nd = meta.num_decodes

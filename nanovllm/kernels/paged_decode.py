@@ -1,9 +1,15 @@
-"""Flash-decoding over a paged KV cache (one query token per sequence).
+"""Flash-decoding over a paged KV cache (one query token per sequence, or a few: speculative
+verification).
 
 Stage 1 (``_decode_split_kernel``): grid ``(kv_heads * head_blocks, batch, num_splits)``.
 Each program owns one KV head and ALL query heads mapped onto it (GQA group), so every
 K/V tile is read from HBM once per KV head.  The group's queries form a ``[BLOCK_G, D]``
-tile (padded to >= 16 rows) so the scores and the P@V product use ``tl.dot``.  The keys
+tile (padded to >= 16 rows) so the scores and the P@V product use ``tl.dot``.
+With ``QUERY_LEN`` > 1 (a verification step: the last token and the drafts after it) each
+sequence has that many query tokens, the newest last; the tile's rows are (token, head)
+pairs, so the K/V tiles are still read once per KV head for all of them, and row (t, h) sees
+the keys up to its own position, ``seq_len - QUERY_LEN + t`` (the causal mask inside the
+window).  The keys
 of a sequence are divided evenly among the splits *inside the kernel* (from ``seq_lens``),
 so the launch configuration never depends on GPU data and can be CUDA-graph captured.
 An optional ``order`` (a permutation of the batch, longest context first) makes the GPU start
@@ -36,12 +42,12 @@ _MAX_SPLITS = 64
 
 
 @triton.jit
-def attend_tile(q, k, v, n_mask, m_i, l_i, acc, qk_scale, DOT_PREC: tl.constexpr):
+def attend_tile(q, k, v, visible, m_i, l_i, acc, qk_scale, DOT_PREC: tl.constexpr):
     """One K/V tile of the online softmax: the group's queries q [BLOCK_G, D] against keys k and
-    values v [BLOCK_N, D] (n_mask: the keys that exist), folded into the running max m_i, sum l_i
-    and output acc. Returns the three updated."""
+    values v [BLOCK_N, D] (visible: [1 or BLOCK_G, BLOCK_N], the keys each row may see), folded
+    into the running max m_i, sum l_i and output acc. Returns the three updated."""
     s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * qk_scale  # [BLOCK_G, BLOCK_N]
-    s = tl.where(n_mask[None, :], s, float("-inf"))
+    s = tl.where(visible, s, float("-inf"))
     return fold_scores(s, v, m_i, l_i, acc, DOT_PREC)
 
 
@@ -70,9 +76,10 @@ def _decode_split_kernel(
     stride_bt,
     stride_ob, stride_oh,
     num_q_heads,
-    num_splits,  # part_o is contiguous [B, Hq, num_splits, D], part_lse [B, Hq, num_splits]
+    num_splits,  # part_o is contiguous [B * QUERY_LEN, Hq, num_splits, D], part_lse [B * QUERY_LEN, Hq, num_splits]
     GROUP: tl.constexpr,  # query heads per KV head
-    HEAD_BLOCKS: tl.constexpr,  # programs per KV head along the group (only when GROUP > BLOCK_G)
+    QUERY_LEN: tl.constexpr,  # query tokens per sequence (q rows b * QUERY_LEN ...), the newest last
+    HEAD_BLOCKS: tl.constexpr,  # programs per KV head along the rows (only when QUERY_LEN * GROUP > BLOCK_G)
     BLOCK_G: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     PAGE_SIZE: tl.constexpr,  # KV cache block size (tokens)
@@ -98,9 +105,11 @@ def _decode_split_kernel(
     hblk = tl.program_id(0) % HEAD_BLOCKS
     split = tl.program_id(2)
 
+    # Row g <-> (query token g // GROUP of the sequence, head kv_head * GROUP + g % GROUP).
     g = hblk * BLOCK_G + tl.arange(0, BLOCK_G)
-    g_mask = g < GROUP
-    q_head = kv_head * GROUP + g
+    g_mask = g < QUERY_LEN * GROUP
+    q_head = kv_head * GROUP + g % GROUP
+    q_tok = b * QUERY_LEN + g // GROUP  # the row's token among q's (and out's) rows
     d = tl.arange(0, BLOCK_D)
     d_mask = d < HEAD_DIM
 
@@ -116,8 +125,10 @@ def _decode_split_kernel(
         blk_next = tl.load(bt_row + (start + offs_n) // PAGE_SIZE, mask=start + offs_n < end, other=0)
     pdl_prologue()  # q (and the newest K/V in the cache) come from the previous kernels
 
-    q = tl.load(q_ptr + b * stride_qb + q_head[:, None] * stride_qh + d[None, :],
+    q = tl.load(q_ptr + q_tok[:, None] * stride_qb + q_head[:, None] * stride_qh + d[None, :],
                 mask=g_mask[:, None] & d_mask[None, :], other=0.0)
+    if QUERY_LEN > 1:  # the last key each row sees: its own position
+        last_key = seq_len - QUERY_LEN + g // GROUP
 
     m_i = tl.full([BLOCK_G], _NEG_INIT, tl.float32)
     l_i = tl.zeros([BLOCK_G], tl.float32)
@@ -147,18 +158,23 @@ def _decode_split_kernel(
         v = tl.load(v_head + (blk * stride_vb + tok * stride_vt)[:, None] + d[None, :],
                     mask=kv_mask, other=0.0)
 
-        m_i, l_i, acc = attend_tile(q, k, v, n_mask, m_i, l_i, acc, qk_scale, DOT_PREC)
+        if QUERY_LEN > 1:
+            visible = n_mask[None, :] & (pos[None, :] <= last_key[:, None])
+        else:
+            visible = n_mask[None, :]
+        m_i, l_i, acc = attend_tile(q, k, v, visible, m_i, l_i, acc, qk_scale, DOT_PREC)
 
-    # Empty range (padding row, or a split beyond a short sequence): l_i == 0.
+    # Empty range (padding row, a split beyond a short sequence, or keys all past a row's
+    # position): l_i == 0.
     has_keys = l_i > 0.0
     o = acc / tl.where(has_keys, l_i, 1.0)[:, None]
     o_mask = g_mask[:, None] & d_mask[None, :]
     if DIRECT_OUT:
-        tl.store(out_ptr + b * stride_ob + q_head[:, None] * stride_oh + d[None, :],
+        tl.store(out_ptr + q_tok[:, None] * stride_ob + q_head[:, None] * stride_oh + d[None, :],
                  o.to(out_ptr.dtype.element_ty), mask=o_mask)
     else:
         lse = tl.where(has_keys, m_i + tl.log2(tl.where(has_keys, l_i, 1.0)), float("-inf"))
-        row = (b * num_q_heads + q_head) * num_splits + split
+        row = (q_tok * num_q_heads + q_head) * num_splits + split
         tl.store(part_o_ptr + row[:, None] * HEAD_DIM + d[None, :], o, mask=o_mask)
         tl.store(part_lse_ptr + row, lse, mask=g_mask)
 
@@ -203,10 +219,11 @@ def _device_sms(device: torch.device) -> int:
     return 8  # interpreter / CPU: any small number keeps the split path exercised
 
 
-def _decode_config(head_dim: int, group: int):
+def _decode_config(head_dim: int, group: int, query_len: int = 1):
     """(BLOCK_G, BLOCK_N, num_warps, num_stages, PREFETCH_BLOCKS); a fixed table, no autotuning,
-    so the first call inside a CUDA-graph capture doesn't benchmark anything."""
-    block_g = min(max(16, triton.next_power_of_2(group)), 64)
+    so the first call inside a CUDA-graph capture doesn't benchmark anything. The rows of a tile
+    are the query_len x group (token, head) pairs of one KV head."""
+    block_g = min(max(16, triton.next_power_of_2(group * query_len)), 64)
     block_d = triton.next_power_of_2(head_dim)
     if block_d <= 64:
         return block_g, 128, 4, 3, False
@@ -219,7 +236,7 @@ def _decode_config(head_dim: int, group: int):
 
 
 def choose_num_splits(batch: int, num_q_heads: int, num_kv_heads: int, head_dim: int,
-                      device: torch.device, max_seq_len_hint: int | None = None) -> int:
+                      device: torch.device, max_seq_len_hint: int | None = None, query_len: int = 1) -> int:
     """Number of KV splits per sequence; depends only on host-side shapes.
 
     Few items (sequence x KV head): about _ONE_WAVE_PROGRAMS_PER_SM programs per SM, one wave that
@@ -231,10 +248,12 @@ def choose_num_splits(batch: int, num_q_heads: int, num_kv_heads: int, head_dim:
     at least two splits (48-64 sequences: 2.812 / 3.559 ms with two, 2.904 / 3.637 with one: ragged
     lengths in one wave wait for the longest). Never a split of fewer than ~_MIN_KEYS_PER_SPLIT keys
     of the longest possible sequence (``max_seq_len_hint``; unknown -> assume long). For CUDA graphs
-    pass the same hint at capture and replay.
+    pass the same hint at capture and replay. ``query_len``: query tokens per sequence (their
+    (token, head) rows share a program, as the heads of a group do).
     """
-    block_g = _decode_config(head_dim, num_q_heads // num_kv_heads)[0]
-    head_blocks = triton.cdiv(num_q_heads // num_kv_heads, block_g)
+    group = num_q_heads // num_kv_heads
+    block_g = _decode_config(head_dim, group, query_len)[0]
+    head_blocks = triton.cdiv(group * query_len, block_g)
     items = max(1, batch * num_kv_heads * head_blocks)
     sms = _device_sms(device)
     splits = max(round(_ONE_WAVE_PROGRAMS_PER_SM * sms / items), 2 if items <= _TWO_SPLITS_ITEMS_PER_SM * sms else 1)
@@ -265,16 +284,22 @@ def paged_decode_attention(
     max_seq_len_hint: int | None = None,
     order: torch.Tensor | None = None,
     _config: tuple | None = None,  # `_decode_config`'s tuple, for benchmarks
+    query_len: int = 1,
 ) -> torch.Tensor:
-    """Attention of one query token per sequence over its ``seq_lens[b]`` cached keys.
+    """Attention of ``query_len`` query tokens per sequence over its ``seq_lens[b]`` cached keys,
+    the queries being the sequence's last ``query_len`` positions (causal among them).
 
-    q: [B, Hq, D]; k_cache/v_cache: [num_blocks, block_size, Hkv, D];
-    block_tables: [B, max_blocks] int32; seq_lens: [B] int32 (0 = padding row -> zeros).
+    q: [B * query_len, Hq, D] (sequence b's tokens at rows b * query_len ...); k_cache/v_cache:
+    [num_blocks, block_size, Hkv, D]; block_tables: [B, max_blocks] int32; seq_lens: [B] int32
+    (0 = padding row -> zeros; a query row whose position is negative sees no key -> zeros too).
     ``workspace``: optional (part_o, part_lse) from ``alloc_decode_workspace`` with room for
-    at least B x Hq x num_splits entries.  ``order``: optional [B] int32 permutation of the rows,
-    longest context first (any permutation gives the same result).  Returns ``out`` ([B, Hq, D]).
+    at least B x query_len x Hq x num_splits entries.  ``order``: optional [B] int32 permutation
+    of the sequences, longest context first (any permutation gives the same result).  Returns
+    ``out`` ([B * query_len, Hq, D]).
     """
-    batch, num_q_heads, head_dim = q.shape
+    num_rows, num_q_heads, head_dim = q.shape
+    assert num_rows % query_len == 0, "q holds query_len rows per sequence"
+    batch = num_rows // query_len
     _, page_size, num_kv_heads, _ = k_cache.shape
     assert num_q_heads % num_kv_heads == 0 and k_cache.shape[-1] == head_dim
     assert q.dtype == k_cache.dtype == v_cache.dtype, "q and the KV cache must share a dtype"
@@ -284,26 +309,26 @@ def paged_decode_attention(
     assert k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1
     assert block_tables.stride(-1) == 1
     if out is None:
-        out = torch.empty(batch, num_q_heads, head_dim, dtype=q.dtype, device=q.device)
+        out = torch.empty(num_rows, num_q_heads, head_dim, dtype=q.dtype, device=q.device)
     assert out.stride(-1) == 1
     if batch == 0:
         return out
     assert batch <= 65535, "the batch is grid axis 1 (at most 65535 programs)"
 
-    block_g, block_n, num_warps, num_stages, prefetch_blocks = _config or _decode_config(head_dim, group)
+    block_g, block_n, num_warps, num_stages, prefetch_blocks = _config or _decode_config(head_dim, group, query_len)
     block_d = triton.next_power_of_2(head_dim)
-    head_blocks = triton.cdiv(group, block_g)
+    head_blocks = triton.cdiv(group * query_len, block_g)
     if num_splits is None:
         num_splits = choose_num_splits(batch, num_q_heads, num_kv_heads, head_dim,
-                                       q.device, max_seq_len_hint)
+                                       q.device, max_seq_len_hint, query_len)
     direct = num_splits == 1
 
     if direct:
         part_o = part_lse = out  # unused placeholders
     else:
-        n = batch * num_q_heads * num_splits
+        n = num_rows * num_q_heads * num_splits
         if workspace is None:
-            workspace = alloc_decode_workspace(batch, num_q_heads, head_dim, num_splits, q.device)
+            workspace = alloc_decode_workspace(num_rows, num_q_heads, head_dim, num_splits, q.device)
         part_o = workspace[0].view(-1)[: n * head_dim]
         part_lse = workspace[1].view(-1)[:n]
     dot_prec = "ieee" if q.dtype == torch.float32 else "tf32"
@@ -317,13 +342,13 @@ def paged_decode_attention(
         block_tables.stride(0),
         out.stride(0), out.stride(1),
         num_q_heads, num_splits,
-        GROUP=group, HEAD_BLOCKS=head_blocks, BLOCK_G=block_g,
+        GROUP=group, QUERY_LEN=query_len, HEAD_BLOCKS=head_blocks, BLOCK_G=block_g,
         HEAD_DIM=head_dim, BLOCK_D=block_d,
         PAGE_SIZE=page_size, BLOCK_N=block_n,
         DIRECT_OUT=direct, HAS_ORDER=order is not None, DOT_PREC=dot_prec, PREFETCH_BLOCKS=prefetch_blocks,
         num_warps=num_warps, num_stages=num_stages, **PDL_LAUNCH)
     if not direct:
-        _decode_merge_kernel[(batch, num_q_heads)](
+        _decode_merge_kernel[(num_rows, num_q_heads)](
             out, part_o, part_lse,
             out.stride(0), out.stride(1),
             num_q_heads, num_splits,

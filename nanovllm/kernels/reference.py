@@ -45,18 +45,24 @@ def _attend(q, k, v, q_pos, scale):
     return out.transpose(0, 1)
 
 
-def paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale, out=None, **_):
-    """Reference of ``nanovllm.kernels.paged_decode_attention``."""
+def paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale, out=None, query_len=1, **_):
+    """Reference of ``nanovllm.kernels.paged_decode_attention``: sequence b's query_len rows are
+    its last positions; a row at a negative position (or of a padding row) is zeros."""
     if out is None:
         out = torch.empty_like(q)
     for b, length in enumerate(seq_lens.tolist()):
+        rows = slice(b * query_len, (b + 1) * query_len)
+        out[rows] = 0
         if length == 0:
-            out[b] = 0
             continue
         k = gather_kv(k_cache, block_tables[b], length)
         v = gather_kv(v_cache, block_tables[b], length)
-        q_pos = torch.tensor([length - 1], device=q.device)
-        out[b] = _attend(q[b:b + 1], k, v, q_pos, scale)[0].to(out.dtype)
+        q_pos = torch.arange(length - query_len, length, device=q.device)
+        seen = q_pos >= 0
+        if seen.any():
+            first = b * query_len + int((~seen).sum())
+            out[first:(b + 1) * query_len] = _attend(q[first:(b + 1) * query_len], k, v, q_pos[seen],
+                                                     scale).to(out.dtype)
     return out
 
 

@@ -44,3 +44,30 @@ def test_decode_matches_per_sequence_attention_and_layers_share_the_layout(block
         assert meta.decode_gather is not None
         torch.testing.assert_close(out.double(), _reference(q, caches[0], caches[1], tables, lens, scale),
                                    atol=1e-5, rtol=1e-5)
+
+
+def test_multi_query_decode_matches_the_kernel_reference():
+    """Verification rows (decode_query_len tokens per sequence, the last of its context) on the
+    torch backend: each sequence's rows as the Triton kernel's reference computes them, a row at a
+    negative position as zeros; prefill rows after them still find their queries."""
+    from nanovllm.kernels import reference as ref
+    gen = torch.Generator().manual_seed(7)
+    lens, query_len, hq, hkv, d, block_size = [3, 40, 2, 0], 3, 4, 2, 16, 16
+    k_cache, v_cache, tables = ref.random_paged_kv(lens + [9], hkv, d, block_size, torch.float32, "cpu",
+                                                   generator=gen, poison=False)
+    q = torch.randn(len(lens) * query_len + 4, hq, d, generator=gen)  # + a 4-token chunk of a 9-token prompt
+    qsl = [i * query_len for i in range(len(lens) + 1)] + [len(lens) * query_len + 4]
+    meta = AttentionMetadata(num_seqs=len(lens) + 1, num_decodes=len(lens), slot_mapping=torch.empty(0, dtype=torch.long),
+                             query_start_loc=torch.tensor(qsl, dtype=torch.int32),
+                             seq_lens=torch.tensor(lens + [9], dtype=torch.int32), block_tables=tables,
+                             max_query_len=query_len, max_seq_len=40, query_start_loc_host=qsl,
+                             seq_lens_host=lens + [9], decode_query_len=query_len)
+    out = TorchAttentionBackend().forward(q, None, None, k_cache, v_cache, meta, d ** -0.5, kv_stored=True)
+    nt = len(lens) * query_len
+    expect = ref.paged_decode_attention(q[:nt], k_cache, v_cache, tables[:len(lens)], meta.seq_lens[:len(lens)],
+                                        d ** -0.5, query_len=query_len)
+    torch.testing.assert_close(out[:nt], expect, atol=1e-5, rtol=1e-5)
+    chunk = ref.paged_prefill_attention(q[nt:], k_cache, v_cache, torch.tensor([0, 4], dtype=torch.int32),
+                                        meta.seq_lens[-1:], tables[-1:], 4, d ** -0.5)
+    torch.testing.assert_close(out[nt:], chunk, atol=1e-5, rtol=1e-5)
+    assert not out[9:12].any()  # the padding row

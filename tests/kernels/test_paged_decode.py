@@ -126,3 +126,58 @@ def test_decode_block_ids_carried_one_tile_ahead(block_size, num_splits, device,
     config = (*_decode_config(64, 2)[:4], True)
     seq_lens = [1, 0, 63, 64, 65, 300, 129]
     _run_case(seq_lens, 4, 2, 64, block_size, torch.float16, device, gen, num_splits=num_splits, config=config)
+
+
+# ---- several query tokens per sequence (speculative verification) ------------------------------
+def _run_multi_query(seq_lens, query_len, num_q_heads, num_kv_heads, head_dim, block_size, dtype, device, gen,
+                     num_splits=None, order=None):
+    k_cache, v_cache, block_tables = ref.random_paged_kv(
+        seq_lens, num_kv_heads, head_dim, block_size, dtype, device, generator=gen)
+    seq_lens_t = torch.tensor(seq_lens, dtype=torch.int32, device=device)
+    q = torch.randn(len(seq_lens) * query_len, num_q_heads, head_dim, generator=gen).to(device, dtype)
+    out = torch.full_like(q, float("nan"))
+    paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens_t, head_dim ** -0.5, out=out,
+                           num_splits=num_splits, order=order, query_len=query_len)
+    expect = ref.paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens_t, head_dim ** -0.5,
+                                        query_len=query_len)
+    assert not out.isnan().any()
+    torch.testing.assert_close(out.float(), expect.float(), atol=TOL[dtype], rtol=TOL[dtype])
+    return out
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("query_len,num_q_heads,num_kv_heads,head_dim,block_size", [
+    (2, 4, 2, 64, 16),    # the draft model's first step: two tokens, GQA 2
+    (4, 9, 3, 64, 16),    # SmolLM2's heads (GQA 3): 12 rows per KV head
+    (6, 32, 8, 128, 64),  # Qwen3-8B's heads, k = 5: 24 rows
+    (5, 16, 1, 32, 16),   # GQA 16 x 5 tokens = 80 rows: more than one program per KV head
+])
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_multi_query_decode_matches_reference(query_len, num_q_heads, num_kv_heads, head_dim, block_size, num_splits,
+                                              dtype, device, gen):
+    """Each sequence's last query_len positions, causal among themselves, every split count: rows
+    whose keys a split does not reach merge to the right output."""
+    seq_lens = [query_len, 0, 37, 64, 65, 130]
+    _run_multi_query(seq_lens, query_len, num_q_heads, num_kv_heads, head_dim, block_size, dtype, device, gen,
+                     num_splits=num_splits)
+
+
+def test_multi_query_decode_rows_before_the_context_are_zero(device, gen):
+    """A sequence shorter than the window (a verification step padded on the left): the rows at
+    negative positions see no key and come out as zeros, the others are exact."""
+    dtype = torch.float32 if not ON_GPU else torch.float16
+    out = _run_multi_query([2, 5, 1], 4, 4, 2, 64, 16, dtype, device, gen, num_splits=2)
+    assert not out[0:2].any() and not out[8:11].any()
+
+
+def test_multi_query_decode_longest_first_order(device, gen):
+    seq_lens = [6, 300, 0, 77, 160, 9]
+    order = torch.tensor(sorted(range(len(seq_lens)), key=lambda i: -seq_lens[i]), dtype=torch.int32, device=device)
+    dtype = torch.float32 if not ON_GPU else torch.float16
+    _run_multi_query(seq_lens, 3, 8, 2, 64, 16, dtype, device, gen, num_splits=2, order=order)
+
+
+def test_one_query_token_is_plain_decode(device, gen):
+    """query_len=1 is the decode kernel of old: the same outputs as the reference's one-token form."""
+    dtype = torch.float32 if not ON_GPU else torch.float16
+    _run_multi_query([1, 50, 0, 200], 1, 8, 2, 64, 16, dtype, device, gen, num_splits=2)
