@@ -35,6 +35,9 @@ class Config:
     attention_backend: str = "auto"
     # Splits a reasoning model's thinking from its answer (nanovllm.reasoning): constraints apply after it.
     reasoning_parser: str | None = None
+    # Speculative decoding (nanovllm.spec_decode), vLLM's dict: {"method": "ngram" | "draft_model",
+    # "num_speculative_tokens": k, ...}; a SpeculativeConfig after validation.
+    speculative_config: dict | None = None
 
     def __post_init__(self):
         if not isinstance(self.model, str) or not self.model:
@@ -79,6 +82,10 @@ class Config:
             self.eos = _eos_from_config(self.hf_config)
         if self.tensor_parallel_size > 1:
             _check_tensor_parallel(self)
+        if self.speculative_config is not None:
+            from nanovllm.spec_decode.config import parse_speculative_config
+            self.speculative_config = parse_speculative_config(self.speculative_config, self.model, self.hf_config,
+                                                               self.max_model_len)
 
     @classmethod
     def field_names(cls) -> set[str]:

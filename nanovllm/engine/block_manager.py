@@ -290,6 +290,19 @@ class BlockManager:
             self._release(self.blocks[block_id])
         self._pinned.clear()
 
+    def rollback(self, seq: Sequence, num_tokens: int):
+        """Speculative decoding: the KV of seq's last num_tokens computed tokens belongs to drafts
+        its verification rejected. They are no longer computed, and the blocks past what seq needs
+        now (its computed tokens and the next one) go back to the free list: they hold nothing
+        else, and nothing of theirs was offered to the prefix cache (only computed tokens are)."""
+        assert 0 <= num_tokens <= seq.num_computed_tokens - seq.num_published_tokens
+        seq.num_computed_tokens -= num_tokens
+        keep = self.blocks_needed(seq.num_computed_tokens + 1)
+        while len(seq.block_table) > keep:
+            block = self.blocks[seq.block_table.pop()]
+            assert block.ref_count == 1 and block.token_ids is None, f"block {block.block_id} is shared"
+            self._release(block)
+
     def free(self, seq: Sequence):
         """Offer what seq computed to the prefix cache and drop its references. Unreferenced
         blocks go to the free queue, the tail of the sequence first, so its head is evicted last."""

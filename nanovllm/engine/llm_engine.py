@@ -11,6 +11,7 @@ from nanovllm.engine.sequence import Sequence
 from nanovllm.engine.tokenizer import eos_token_ids, load_tokenizer
 from nanovllm.logger import init_logger
 from nanovllm.sampling_params import SamplingParams
+from nanovllm.spec_decode.speculator import build_speculator
 from nanovllm.structured_output.manager import StructuredOutputs
 
 logger = init_logger(__name__)
@@ -47,6 +48,12 @@ class LLMEngine:
         # Grammars of constrained requests (a no-op for the others); built before any request.
         self.structured = StructuredOutputs(self.tokenizer, self.vocab_size, self.eos_token_ids,
                                             config.reasoning_parser)
+        # Speculative decoding (a no-op object when not configured).
+        try:
+            self.speculator = build_speculator(config, self.model_runner)
+        except BaseException:
+            self.shutdown()
+            raise
         self._seed_rng = random.Random(config.seed)
         self.requests: dict = {}  # request_id -> list of its sequences
         # What exists now (the libraries' objects, the model) lives as long as the engine: frozen,
@@ -129,6 +136,7 @@ class LLMEngine:
     def _finish(self, seq: Sequence, reason: str):
         self.scheduler.finish(seq, reason)
         self.structured.release(seq)
+        self.speculator.release(seq)
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished() or self._in_flight is not None
@@ -142,33 +150,54 @@ class LLMEngine:
         A batch with rows under a grammar launches its forward pass alone: the masks of its draw
         depend on the previous step's tokens, so they are filled once those are taken in, while
         the forward pass runs, and the draw is launched then (overlap stays on).
+
+        Speculative decoding: drafts continue a sequence's newest tokens, and how many tokens a
+        verification step adds to each sequence is known only from its results. So a step that
+        verifies drafts takes in the step in flight first, and its own results are taken in
+        before the next step is scheduled: the host's work of such a step does not overlap the
+        device's (n-gram drafts cost microseconds; a draft model runs its steps on the device).
+        Steps without drafts (above disable_by_batch_size, or nothing to propose) overlap as usual.
         If it raises, no step is left in flight: a failed launch or read-back leaves results that
         cannot be trusted or fetched, and the callers fail every running request."""
         try:
-            batch = self.scheduler.schedule()
+            finished, drafts = [], None
+            running = self.scheduler.running
+            if self.speculator.wants_drafts(running, self._in_flight is not None):
+                finished = self.drain()
+                drafts = self.speculator.propose(running, self.block_manager)
+            batch = self.scheduler.schedule(drafts)
             launched = None
             if batch is not None:
                 output = self.model_runner.execute(batch, defer_sampling=self.structured.needs_masks(batch.seqs))
                 self.scheduler.advance(batch)
-                for seq in output.seqs:
-                    seq.append_pending()
+                if batch.spec is None:
+                    for seq in output.seqs:
+                        seq.append_pending()
                 launched = (batch, output)
+            # A verification step is taken in before the next one is scheduled.
+            stays_in_flight = self.overlap and (batch is None or batch.spec is None)
             earlier = None
             if self.overlap:
-                earlier, self._in_flight = self._in_flight, launched
-            finished = self._process(*earlier) if earlier is not None else []
+                earlier, self._in_flight = self._in_flight, (launched if stays_in_flight else None)
+            if earlier is not None:
+                finished += self._process(*earlier)
             if launched is not None and launched[1].awaits_masks:
                 self.model_runner.sample(launched[1], self.structured.fill_masks)
-            if not self.overlap and launched is not None:
-                finished = self._process(*launched)
+            if launched is not None and not stays_in_flight:
+                finished += self._process(*launched)
         except BaseException:
             self._in_flight = None
             raise
         if batch is None:
             return finished, 0, 0
-        return finished, batch.num_tokens - batch.num_decodes, batch.num_decodes
+        decode = batch.num_decodes
+        if batch.spec is not None:  # a verifying sequence's tokens are decode tokens too
+            decode += sum(len(d) + 1 for d in batch.spec if d)
+        return finished, batch.num_tokens - decode, decode
 
     def _process(self, batch, output) -> list[Sequence]:
+        if output.drafts is not None:
+            return self._process_verified(batch, output)
         finished = []
         now = time.perf_counter()
         tokens = output.token_ids()
@@ -184,13 +213,49 @@ class LLMEngine:
             if rejected and seq in rejected:
                 reason = "abort"
             if reason is not None:
-                self._finish(seq, reason)
-                finished.append(seq)
-                siblings = self.requests.get(seq.request_id)
-                if siblings is not None and all(s.is_finished for s in siblings):
-                    del self.requests[seq.request_id]
+                self._end(seq, reason, finished)
         self.scheduler.publish(batch)
         return finished
+
+    def _process_verified(self, batch, output) -> list[Sequence]:
+        """A verification step's results: each sequence's rows (its last token's and one per
+        draft) become the tokens it gains (Speculator.verify), each checked in turn as if decoded
+        one by one, so a stop (eos, stop token or string, max_tokens) inside an accepted run ends
+        the sequence there; the KV of its rejected drafts is rolled back first."""
+        finished = []
+        now = time.perf_counter()
+        tokens = output.token_ids()
+        logprobs = output.logprobs()
+        starts, row = [], 0
+        for draft in output.drafts:
+            starts.append(row)
+            row += len(draft) + 1
+        # Grammars take their tokens (a constrained sequence has no drafts: its one row).
+        rejected = self.structured.advance(output.seqs, [tokens[r] for r in starts])
+        for seq, draft, start in zip(output.seqs, output.drafts, starts):
+            if seq.is_finished:  # aborted while the step ran
+                continue
+            gained = self.speculator.verify(tokens[start:start + len(draft) + 1], draft)
+            self.scheduler.rollback(seq, len(draft) + 1 - len(gained))
+            if seq.first_token_time is None:
+                seq.first_token_time = now
+            for j, token in enumerate(gained):
+                seq.append_token(token)
+                reason = self.output_processor.check(seq, token, None if logprobs is None else logprobs.row(start + j))
+                if rejected and seq in rejected:
+                    reason = "abort"
+                if reason is not None:
+                    self._end(seq, reason, finished)
+                    break
+        self.scheduler.publish(batch)
+        return finished
+
+    def _end(self, seq: Sequence, reason: str, finished: list):
+        self._finish(seq, reason)
+        finished.append(seq)
+        siblings = self.requests.get(seq.request_id)
+        if siblings is not None and all(s.is_finished for s in siblings):
+            del self.requests[seq.request_id]
 
     def drain(self) -> list[Sequence]:
         """Take in the results of the step still in flight, if any."""
@@ -198,6 +263,9 @@ class LLMEngine:
         return self._process(*done) if done is not None else []
 
     def shutdown(self):
+        speculator = getattr(self, "speculator", None)
+        if speculator is not None:
+            speculator.shutdown()
         runner, self.model_runner = getattr(self, "model_runner", None), None
         if runner is not None:
             runner.shutdown()

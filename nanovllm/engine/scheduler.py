@@ -7,6 +7,10 @@ carries the KV copies that the step must make first) and recompute after preempt
 Running sequences are served first, in admission order; when the KV cache runs out, the most
 recently admitted sequence is preempted (blocks freed, recomputed later) and put at the head of
 the waiting queue, so the oldest request always makes progress and nothing starves.
+
+Speculative decoding: a sequence's draft tokens (`schedule(drafts)`) are scheduled as more tokens
+to compute, under the same budget (a budget that cuts them keeps the drafts that fit); once the
+step's results are in, `rollback` returns the KV of the drafts its verification rejected.
 """
 import time
 from collections import deque
@@ -19,19 +23,23 @@ from nanovllm.engine.sequence import Sequence, SequenceStatus
 @dataclass
 class ScheduledBatch:
     seqs: list[Sequence]         # sequences with query length 1 (decodes) come first
-    num_new_tokens: list[int]    # tokens of each sequence computed this step
+    num_new_tokens: list[int]    # tokens of each sequence computed this step (its drafts included)
     num_decodes: int             # leading sequences with exactly one new token
     # (source block, destination block, tokens): KV to copy, every layer, before the step's attention
     kv_copies: list[tuple[int, int, int]] = field(default_factory=list)
+    # Per sequence, the draft tokens computed after its last token (speculative decoding), or
+    # None when no sequence of the step has any. A sequence with drafts samples len + 1 rows.
+    spec: list[list[int]] | None = None
 
     @property
     def num_tokens(self) -> int:
         return sum(self.num_new_tokens)
 
     def samples(self, i: int) -> bool:
-        """Whether sequence i reaches its last token this step (and so samples the next one)."""
+        """Whether sequence i reaches its last token (and drafts) this step, and so samples."""
         seq = self.seqs[i]
-        return seq.num_computed_tokens + self.num_new_tokens[i] == seq.num_tokens
+        end = seq.num_tokens + (len(self.spec[i]) if self.spec is not None else 0)
+        return seq.num_computed_tokens + self.num_new_tokens[i] == end
 
 
 class Scheduler:
@@ -56,10 +64,13 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def schedule(self) -> ScheduledBatch | None:
+    def schedule(self, drafts: dict[Sequence, list[int]] | None = None) -> ScheduledBatch | None:
+        """drafts: draft tokens to verify after some running sequences' last token (speculative
+        decoding; their sequences have their results in: no token in flight)."""
         self.block_manager.release_pins()  # normally done at launch (advance); this after a failed one
         budget = self.max_num_batched_tokens
         scheduled: list[tuple[Sequence, int]] = []
+        spec: dict[Sequence, list[int]] = {}
         preempted = False
         block_size = self.block_manager.block_size
         i = 0
@@ -68,7 +79,8 @@ class Scheduler:
             if seq.num_pending_tokens and self._at_length_limit(seq):
                 i += 1  # done once its last token arrives: nothing more to compute
                 continue
-            n = min(len(seq.token_ids) - seq.num_computed_tokens, budget)
+            draft = drafts.get(seq) if drafts else None
+            n = min(len(seq.token_ids) + (len(draft) if draft else 0) - seq.num_computed_tokens, budget)
             # Fast path (most decodes): the tokens fit in the blocks the sequence already has.
             fits = seq.num_computed_tokens + n <= len(seq.block_table) * block_size
             while not fits and not self.block_manager.allocate(seq, n):
@@ -79,6 +91,10 @@ class Scheduler:
                     break
             else:
                 scheduled.append((seq, n))
+                if draft:  # the drafts that fit the budget
+                    fitting = draft[:n - (len(seq.token_ids) - seq.num_computed_tokens)]
+                    if fitting:
+                        spec[seq] = fitting
                 budget -= n
                 i += 1
         # Admit new work only when nothing had to be preempted: the cache is tight otherwise.
@@ -112,8 +128,9 @@ class Scheduler:
         # Decodes first: attention backends run a decode kernel on that leading slice.
         scheduled.sort(key=lambda item: item[1] != 1)
         num_decodes = sum(1 for _, n in scheduled if n == 1)
-        return ScheduledBatch([s for s, _ in scheduled], [n for _, n in scheduled], num_decodes,
-                              self.block_manager.take_copies())
+        seqs = [s for s, _ in scheduled]
+        return ScheduledBatch(seqs, [n for _, n in scheduled], num_decodes, self.block_manager.take_copies(),
+                              [spec.get(s, []) for s in seqs] if spec else None)
 
     def _waits_for_shared_prompt(self, seq: Sequence) -> bool:
         """Siblings of an n > 1 request (index > 0) are admitted only once the first one's prompt
@@ -147,6 +164,12 @@ class Scheduler:
         for seq, n in zip(batch.seqs, batch.num_new_tokens):
             seq.num_computed_tokens += n
         self.block_manager.release_pins()  # the step's KV copies are queued: their sources may go
+
+    def rollback(self, seq: Sequence, num_rejected: int):
+        """seq's last num_rejected computed tokens were drafts its verification rejected: their KV
+        is not seq's (see BlockManager.rollback)."""
+        if num_rejected:
+            self.block_manager.rollback(seq, num_rejected)
 
     def publish(self, batch: ScheduledBatch):
         """The step's results are in (every computed token is known): share what it completed

@@ -32,10 +32,13 @@ class MaskFillStats:
 
 
 class BitmaskBuffers:
-    def __init__(self, max_rows: int, vocab_size: int, device: torch.device):
+    def __init__(self, max_rows: int, vocab_size: int, device: torch.device, max_batch_rows: int | None = None):
+        """max_rows: masks (constrained sequences) at most; max_batch_rows: sampled rows at most
+        (more than sequences in a speculative verification step; default max_rows)."""
         self.words = -(-vocab_size // 32)
         self.device = device
-        fields = {"mask_rows": (torch.int32, (max_rows,)), "masked_rows": (torch.int64, (max_rows,)),
+        batch_rows = max_batch_rows or max_rows
+        fields = {"mask_rows": (torch.int32, (batch_rows,)), "masked_rows": (torch.int64, (batch_rows,)),
                   "masks": (torch.int32, (max_rows, self.words))}
         if device.type == "cuda":
             self._packed = PackedInputs(fields, device)

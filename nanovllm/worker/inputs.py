@@ -26,6 +26,9 @@ class HostInputs:
     num_decodes: int
     logits_indices: np.ndarray   # rows of the hidden states to sample from
     sample_rows: list[int]       # which sequences of the batch sample this step
+    # Speculative verification: the draft tokens of each sampling sequence (its rows of
+    # logits_indices: its last len + 1 tokens), or None when the step verifies none.
+    sample_drafts: list[list[int]] | None = None
     # Inputs sampled by the previous step and not yet seen by the host: input_ids[dst] = last[src].
     pending_dst: np.ndarray | None = None
     pending_src: np.ndarray | None = None
@@ -48,10 +51,14 @@ def build_host_inputs(batch: ScheduledBatch, block_size: int,
                       last_row_of_seq: dict[int, int] | None = None) -> HostInputs:
     # Vectorised over sequences where it matters: a decode step of hundreds of sequences must
     # cost far less host time than the device spends on it.
-    seqs, counts = batch.seqs, batch.num_new_tokens
+    seqs, counts, spec = batch.seqs, batch.num_new_tokens, batch.spec
     num_seqs, nd = len(seqs), batch.num_decodes
     computed = np.fromiter((s.num_computed_tokens for s in seqs), np.int64, num_seqs)
     num_tokens = np.fromiter((len(s.token_ids) for s in seqs), np.int64, num_seqs)
+    num_drafts = None
+    if spec is not None:  # a sequence's drafts follow its tokens
+        num_drafts = np.fromiter(map(len, spec), np.int64, num_seqs)
+        num_tokens += num_drafts
     new = np.asarray(counts, dtype=np.int64)
     seq_lens = computed + new
 
@@ -68,8 +75,11 @@ def build_host_inputs(batch: ScheduledBatch, block_size: int,
     pending = np.flatnonzero(decode_ids < 0)
     decode_ids[pending] = 0
     parts_ids, parts_pos = [decode_ids], [computed[:nd]]
-    for seq, start, n in zip(seqs[nd:], computed[nd:].tolist(), counts[nd:]):
-        parts_ids.append(np.asarray(seq.token_ids[start:start + n], dtype=np.int64))
+    for i, (seq, start, n) in enumerate(zip(seqs[nd:], computed[nd:].tolist(), counts[nd:]), start=nd):
+        ids = seq.token_ids[start:start + n]
+        if len(ids) < n:  # the drafts after the last token
+            ids = ids + spec[i][:n - len(ids)]
+        parts_ids.append(np.asarray(ids, dtype=np.int64))
         parts_pos.append(np.arange(start, start + n, dtype=np.int64))
     input_ids = np.concatenate(parts_ids)
     positions = np.concatenate(parts_pos)
@@ -80,10 +90,18 @@ def build_host_inputs(batch: ScheduledBatch, block_size: int,
     # slot of position p of sequence i = block_tables[i, p // bs] * bs + p % bs, for all tokens at once
     seq_of_token = np.repeat(np.arange(num_seqs), new)
     slots = block_tables[seq_of_token, positions // block_size].astype(np.int64) * block_size + positions % block_size
+    logits_indices = query_start[1:][sample_rows].astype(np.int64) - 1
+    sample_drafts = None
+    if spec is not None:  # a verifying sequence samples its last token's row and each draft's
+        rows = num_drafts[sample_rows] + 1
+        ends = np.repeat(logits_indices, rows)
+        within = np.arange(int(rows.sum())) - np.repeat(np.cumsum(rows) - rows, rows)
+        logits_indices = ends - np.repeat(rows - 1, rows) + within
+        sample_drafts = [spec[i] for i in sample_rows.tolist()]
     return HostInputs(
         input_ids=input_ids, positions=positions, slot_mapping=slots, query_start_loc=query_start,
         seq_lens=seq_lens.astype(np.int32), block_tables=block_tables, num_decodes=nd,
-        logits_indices=query_start[1:][sample_rows].astype(np.int64) - 1, sample_rows=sample_rows.tolist(),
+        logits_indices=logits_indices, sample_rows=sample_rows.tolist(), sample_drafts=sample_drafts,
         pending_dst=pending if pending.size else None,
         pending_src=(np.fromiter((last_row_of_seq[seqs[i].seq_id] for i in pending), np.int64, pending.size)
                      if pending.size else None),

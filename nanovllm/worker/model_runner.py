@@ -22,6 +22,7 @@ from nanovllm.engine.sequence import Sequence
 from nanovllm.layers.cpu_linear import pack_linear_weights
 from nanovllm.layers.sampler import LogprobsLists, Sampler, SamplerOutput
 from nanovllm.models.loader import build_model, init_dummy_weights, load_weights
+from nanovllm.spec_decode.config import draft_memory
 from nanovllm.layers.sampling_metadata import SamplingMetadata
 from nanovllm.worker.gemm_warmup import warm_gemms
 from nanovllm.worker.grammar_masks import BitmaskBuffers, MaskFillStats, timed_fill
@@ -51,11 +52,17 @@ class StepOutput:
     wait_for = staticmethod(torch.cuda.Event.synchronize)
 
     def __init__(self, seqs: list[Sequence], sampled: SamplerOutput | None, host: SamplerOutput | None = None,
-                 event=None, deferred: _DeferredDraw | None = None):
+                 event=None, deferred: _DeferredDraw | None = None, drafts: list[list[int]] | None = None,
+                 rows: np.ndarray | None = None):
         """Either `sampled` (copied to fresh pinned memory here), or `host` copies already queued
-        with the `event` recorded after them, or `deferred`: nothing drawn yet (see `awaits_masks`)."""
+        with the `event` recorded after them, or `deferred`: nothing drawn yet (see `awaits_masks`).
+        drafts (a verification step): per sequence the drafts it verified; its rows are then
+        len + 1 consecutive rows of token_ids(), one per position. rows: which of the drawn rows
+        are the step's, in order (a CUDA graph's padding left out), or None: all."""
         self.seqs = seqs
         self.deferred = deferred
+        self.drafts = drafts
+        self._rows = rows
         self._complete(sampled, host, event)
 
     @property
@@ -72,11 +79,14 @@ class StepOutput:
                 self._event.record()
 
     def token_ids(self) -> list[int]:
+        """One token per sequence, or per verified position (see `drafts`)."""
         if self._host is None:
             return []
         if self._event is not None:
             self.wait_for(self._event)
             self._event = None
+        if self._rows is not None:
+            return self._host.token_ids.numpy()[self._rows].tolist()
         return self._host.token_ids.tolist()
 
     def logprobs(self) -> LogprobsLists | None:
@@ -103,6 +113,7 @@ class PinnedTokenRing:
 class ModelRunner:
     def __init__(self, config: Config, rank: int = 0, eos_token_ids: frozenset[int] = frozenset()):
         self.config = config
+        self.rank = rank
         self.eos_token_ids = eos_token_ids  # banned while a sequence is under its min_tokens
         self.device = config.device
         self.block_size = config.kvcache_block_size
@@ -121,8 +132,11 @@ class ModelRunner:
         self.num_q_heads = self.model.attention_layers[0].num_heads
         self.num_layers = len(self.model.attention_layers)
         self.max_blocks_per_seq = -(-config.max_model_len // self.block_size)
+        # Speculative decoding: a verification step computes and samples up to 1 + k tokens per sequence.
+        spec = config.speculative_config
+        self.max_query_len = 1 + spec.num_speculative_tokens if spec is not None else 1
         self.backend.setup(config.max_num_seqs, self.num_q_heads, self.num_kv_heads, self.head_dim,
-                           config.max_model_len, self.device)
+                           config.max_model_len, self.device, self.max_query_len)
         for attn in self.model.attention_layers:
             attn.backend = self.backend
         # The last step's sampled tokens stay on the device: the next step reads its inputs there.
@@ -134,7 +148,8 @@ class ModelRunner:
         self.graph_runner = None
         self.piecewise = None
         self.stage = HostToDevice(self.device)
-        self.bitmasks = BitmaskBuffers(config.max_num_seqs, config.hf_config.vocab_size, self.device)
+        self.bitmasks = BitmaskBuffers(config.max_num_seqs, config.hf_config.vocab_size, self.device,
+                                       config.max_num_seqs * self.max_query_len)
         self.mask_fill = MaskFillStats()
         # Block ids are shared by all tensor-parallel ranks: every rank holds as many as the smallest.
         self.num_blocks = min_over_ranks(self._num_kv_blocks())
@@ -177,17 +192,22 @@ class ModelRunner:
         cfg = self.config
         if cfg.num_kvcache_blocks > 0:
             return cfg.num_kvcache_blocks
+        # A draft model (speculative decoding, rank 0 only) holds as many blocks as the target, and
+        # its weights load after this budget is made: both come out of it.
+        draft_block, draft_weights = (0, 0) if self.rank else draft_memory(cfg.speculative_config, cfg.torch_dtype,
+                                                                           self.block_size)
+        per_block = self.block_bytes + draft_block
         if cfg.kv_cache_memory_bytes is not None:
             budget = cfg.kv_cache_memory_bytes
         elif self.device.type == "cuda":
             from nanovllm.worker.gpu_memory import profile_kv_budget
-            budget = profile_kv_budget(self)
+            budget = profile_kv_budget(self) - draft_weights
         else:
             # Enough for every sequence at full length, within a modest default for a laptop.
             want = cfg.max_num_seqs * (cfg.max_model_len + self.block_size)
-            budget = min(_CPU_DEFAULT_KV_BYTES, want // self.block_size * self.block_bytes)
-            budget = max(budget, self.max_blocks_per_seq * self.block_bytes)
-        return max(1, budget // self.block_bytes)
+            budget = min(_CPU_DEFAULT_KV_BYTES, want // self.block_size * per_block)
+            budget = max(budget, self.max_blocks_per_seq * per_block)
+        return max(1, budget // per_block)
 
     def _allocate_kv_cache(self, num_blocks: int) -> torch.Tensor:
         # Zeroed: masked-out context slots are multiplied by zero weights, which NaN would poison.
@@ -327,9 +347,14 @@ class ModelRunner:
             output._complete(None, *self._token_ring.copy(g.sampled[:n]))
             return
         meta = deferred.meta
+        num_rows = n
+        if output.drafts is not None:  # a verification step: a constrained sequence (no drafts) has one row
+            seq_of_row = np.repeat(np.arange(n), [len(d) + 1 for d in output.drafts])
+            num_rows = len(seq_of_row)
+            rows[:num_rows] = rows[:n][seq_of_row]
         if num_masks:
-            meta.mask_rows, meta.masks, meta.masked_rows = self.bitmasks.send(n, num_masks)
-        output._complete(self._draw(seqs, deferred.logits, meta))
+            meta.mask_rows, meta.masks, meta.masked_rows = self.bitmasks.send(num_rows, num_masks)
+        output._complete(self._draw(seqs, deferred.logits, meta, output.drafts is not None))
 
     def _forward_done(self) -> torch.cuda.Event | None:
         """An event behind the forward pass just launched (for MaskFillStats), on a GPU."""
@@ -349,27 +374,36 @@ class ModelRunner:
         """Forward pass over prepared inputs; sample when sample_seqs is given (tensor-parallel
         workers other than rank 0 pass None: they only contribute to the forward), or leave the
         draw to `sample` when defer_sampling."""
+        logits = self.forward(host)
+        if sample_seqs is None or logits is None:
+            return StepOutput([], None)
+        drafts = host.sample_drafts
+        meta = self._sampling_metadata(sample_seqs, drafts)
+        if defer_sampling:
+            return StepOutput(sample_seqs, None, deferred=_DeferredDraw(logits, meta, None, self._forward_done()),
+                              drafts=drafts)
+        return StepOutput(sample_seqs, self._draw(sample_seqs, logits, meta, drafts is not None), drafts=drafts)
+
+    @torch.inference_mode()
+    def forward(self, host: HostInputs, last_sampled: torch.Tensor | None = None) -> torch.Tensor | None:
+        """The forward pass over prepared inputs: the logits of the rows host.logits_indices names
+        (None when none). Inputs still pending on the host (host.pending_src) are read from
+        last_sampled, by default the previous step's samples."""
         if host.kv_copies is not None:
             self.copy_kv_prefixes(host.kv_copies)
         fb = to_device(host, self.stage, self.config.max_model_len)
         if fb.pending_dst is not None:
-            fb.input_ids[fb.pending_dst] = self._pending_tokens()[fb.pending_src]
+            source = self._pending_tokens() if last_sampled is None else last_sampled
+            fb.input_ids[fb.pending_dst] = source[fb.pending_src]
         if self.graph_runner is not None and self.graph_runner.can_run(fb.attn.num_seqs, fb.attn.num_decodes):
-            logits = self.graph_runner.run(fb.input_ids, fb.positions, fb.attn)  # every decode row samples
+            return self.graph_runner.run(fb.input_ids, fb.positions, fb.attn)  # every decode row samples
+        if self.piecewise is not None and self.piecewise.can_run(fb.input_ids.shape[0]):
+            hidden = self.piecewise.forward(fb.input_ids, fb.positions, fb.attn)
         else:
-            if self.piecewise is not None and self.piecewise.can_run(fb.input_ids.shape[0]):
-                hidden = self.piecewise.forward(fb.input_ids, fb.positions, fb.attn)
-            else:
-                hidden = self.model(fb.input_ids, fb.positions, fb.attn)
-            if not fb.sample_rows:
-                return StepOutput([], None)
-            logits = self.model.compute_logits(hidden[fb.logits_indices])
-        if sample_seqs is None:
-            return StepOutput([], None)
-        meta = self._sampling_metadata(sample_seqs)
-        if defer_sampling:
-            return StepOutput(sample_seqs, None, deferred=_DeferredDraw(logits, meta, None, self._forward_done()))
-        return StepOutput(sample_seqs, self._draw(sample_seqs, logits, meta))
+            hidden = self.model(fb.input_ids, fb.positions, fb.attn)
+        if not fb.sample_rows:
+            return None
+        return self.model.compute_logits(hidden[fb.logits_indices])
 
     def copy_kv_prefixes(self, copies: np.ndarray):
         """Start blocks of requests whose prefix hit ends inside a cached block: the leading tokens'
@@ -395,14 +429,20 @@ class ModelRunner:
             self._tp_sampled[:self._last_sampled.shape[0]].copy_(self._last_sampled)
         return broadcast_from_rank0(self._tp_sampled)
 
-    def _sampling_metadata(self, seqs: list[Sequence]) -> SamplingMetadata:
-        """The eager sampler's parameters for seqs, as of now (before this step's tokens are pending)."""
+    def _sampling_metadata(self, seqs: list[Sequence], drafts: list[list[int]] | None = None) -> SamplingMetadata:
+        """The eager sampler's parameters for seqs, as of now (before this step's tokens are pending);
+        with drafts, for each of seqs' verified positions (build_sampling_metadata)."""
         return build_sampling_metadata(seqs, self.device, self.eos_token_ids, self.config.hf_config.vocab_size,
-                                       self._last_sampled, self._last_row_of_seq, stage=self.stage)
+                                       self._last_sampled, self._last_row_of_seq, stage=self.stage, drafts=drafts)
 
-    def _draw(self, seqs: list[Sequence], logits: torch.Tensor, meta: SamplingMetadata) -> SamplerOutput:
-        """The eager sampler (any parameters) on this step's logits."""
+    def _draw(self, seqs: list[Sequence], logits: torch.Tensor, meta: SamplingMetadata,
+              verifies: bool = False) -> SamplerOutput:
+        """The eager sampler (any parameters) on this step's logits. A verification step's
+        tokens are read by the host before the next step: no later step takes its inputs from them."""
         sampled = self.sampler.sample(logits, meta)
+        if verifies:
+            self._last_sampled, self._last_row_of_seq = None, {}
+            return sampled
         if self.graph_runner is not None:
             # Where the graphs look for the previous step's tokens (prev_rows index this buffer).
             sampled.token_ids = self.graph_runner.sampled[:len(seqs)].copy_(sampled.token_ids)

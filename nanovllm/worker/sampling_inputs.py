@@ -19,13 +19,22 @@ _M32 = np.uint64(0xFFFFFFFF)
 
 def build_sampling_metadata(seqs: list[Sequence], device: torch.device, eos_token_ids=(),
                             vocab_size: int | None = None, last_sampled: torch.Tensor | None = None,
-                            last_row_of_seq: dict[int, int] | None = None, stage=None) -> SamplingMetadata:
+                            last_row_of_seq: dict[int, int] | None = None, stage=None,
+                            drafts: list[list[int]] | None = None) -> SamplingMetadata:
     """eos_token_ids: the engine's eos ids, banned (with each request's stop_token_ids) while a
     sequence has fewer than min_tokens outputs. vocab_size, when given, drops stop ids outside
     the vocabulary instead of letting them index out of range. last_sampled / last_row_of_seq:
     the previous step's sampled tokens (on the device) and each sequence's row in them, for
     penalties over outputs whose newest token the host has not read yet (a placeholder).
-    stage: a HostToDevice that moves the per-row arrays every step needs in one copy."""
+    stage: a HostToDevice that moves the per-row arrays every step needs in one copy.
+
+    drafts (speculative verification): per sequence the draft tokens the step verifies; sequence
+    i then has len(drafts[i]) + 1 rows, row j drawing output position num_completion_tokens + j
+    as if drafts[i][:j] had been generated: its noise, min_tokens bans and penalty history are
+    that position's, so every row draws what plain decoding would draw there."""
+    row_ahead = row_extra = None
+    if drafts is not None:
+        seqs, row_ahead, row_extra = _verification_rows(seqs, drafts)
     num_seqs = len(seqs)
     temps = np.empty(num_seqs, dtype=np.float32)
     seeds = np.empty(num_seqs, dtype=np.uint64)
@@ -38,7 +47,7 @@ def build_sampling_metadata(seqs: list[Sequence], device: torch.device, eos_toke
     max_logprobs = None
     for i, seq in enumerate(seqs):
         sp = seq.sampling_params
-        num_out = seq.num_completion_tokens
+        num_out = seq.num_completion_tokens if row_ahead is None else seq.num_completion_tokens + row_ahead[i]
         offsets[i] = num_out
         seeds[i] = seq.seed & SEED_MASK
         if sp.greedy:
@@ -73,7 +82,8 @@ def build_sampling_metadata(seqs: list[Sequence], device: torch.device, eos_toke
     per_row = [temps, seeds, offsets, keys]
     histories = None
     if penalty_rows:  # their arrays travel in the same copy
-        histories = PenaltyHistories([seqs[i] for i in penalty_rows], last_row_of_seq)
+        histories = PenaltyHistories([seqs[i] for i in penalty_rows], last_row_of_seq,
+                                     None if row_extra is None else [row_extra[i] for i in penalty_rows])
         per_row += histories.arrays
     if stage is not None:
         on_device = stage(*per_row)
@@ -117,6 +127,18 @@ def build_sampling_metadata(seqs: list[Sequence], device: torch.device, eos_toke
         meta.banned_rows = _to_device(np.asarray(banned_rows, dtype=np.int64), device)
         meta.banned_ids = _to_device(np.asarray(banned_ids, dtype=np.int64), device)
     return meta
+
+
+def _verification_rows(seqs: list[Sequence], drafts: list[list[int]]):
+    """Sequence i's len(drafts[i]) + 1 rows: (the sequence, positions ahead of its outputs, the
+    drafts before that position), in order."""
+    rows, ahead, extra = [], [], []
+    for seq, draft in zip(seqs, drafts):
+        for j in range(len(draft) + 1):
+            rows.append(seq)
+            ahead.append(j)
+            extra.append(draft[:j])
+    return rows, ahead, extra
 
 
 def host_row_keys(seeds: np.ndarray, offsets: np.ndarray) -> np.ndarray:
@@ -170,9 +192,11 @@ class PenaltyHistories:
     """The token histories of a batch's penalised rows, flattened on the host (`arrays`, to copy to
     the device with the step's other inputs), then `inputs` for the sampler. A token still in
     flight (at most one per sequence, the last) is a placeholder here, filled on the device from
-    the previous step's samples without waiting for them."""
+    the previous step's samples without waiting for them. extras: tokens that follow each row's
+    history (a verification row's drafts; such a step has nothing in flight)."""
 
-    def __init__(self, seqs: list[Sequence], last_row_of_seq: dict[int, int] | None):
+    def __init__(self, seqs: list[Sequence], last_row_of_seq: dict[int, int] | None,
+                 extras: list[list[int]] | None = None):
         params = [s.sampling_params for s in seqs]
         repetition = np.asarray([p.repetition_penalty for p in params], dtype=np.float32)
         frequency = np.asarray([p.frequency_penalty for p in params], dtype=np.float32)
@@ -181,10 +205,15 @@ class PenaltyHistories:
         pending = np.asarray([getattr(s, "num_pending_tokens", 0) for s in seqs], dtype=np.int64)
         starts = np.asarray([s.num_prompt_tokens for s in seqs], dtype=np.int64)
         output_lens = np.fromiter((len(t) for t in settled), dtype=np.int64, count=len(seqs)) - starts + pending
+        if extras is not None:
+            assert not pending.any(), "a verification step has no token in flight"
+            output_lens += np.fromiter(map(len, extras), dtype=np.int64, count=len(seqs))
         ends = np.cumsum(output_lens)
         output = np.zeros(int(ends[-1]), dtype=np.int32)
-        for tokens, start, end, n in zip(settled, starts, ends, output_lens):
+        for i, (tokens, start, end, n) in enumerate(zip(settled, starts, ends, output_lens)):
             output[end - n:end - n + len(tokens) - start] = tokens[start:]
+            if extras is not None and extras[i]:
+                output[end - len(extras[i]):end] = extras[i]
         in_flight = pending.nonzero()[0]
         self.num_pending = len(in_flight)
         pending_src = np.asarray([last_row_of_seq[seqs[i].seq_id] for i in in_flight], dtype=np.int64)

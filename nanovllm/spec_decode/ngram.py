@@ -1,0 +1,49 @@
+"""Prompt lookup (n-gram) drafts: where the sequence's last n tokens occurred before, propose the
+tokens that followed them (vLLM's rule: the longest n in [prompt_lookup_min, prompt_lookup_max],
+its earliest occurrence). Free to compute and right wherever the answer copies from the prompt
+(code edits, quoting, extraction, a conversation's earlier turns)."""
+import numpy as np
+
+from nanovllm.worker.sampling_inputs import settled_tokens
+
+
+def ngram_lookup(tokens: np.ndarray, min_n: int, max_n: int, k: int) -> np.ndarray:
+    """The up to k tokens that followed the earliest earlier occurrence of tokens' longest suffix
+    of min_n..max_n tokens (a view of tokens; empty when there is none). A vectorised pass over
+    the history for its last token, then the matches shrink as the suffix grows."""
+    total = len(tokens)
+    if total <= min_n or k <= 0:
+        return tokens[:0]
+    ends = np.flatnonzero(tokens[:total - 1] == tokens[total - 1])  # where an earlier occurrence ends
+    best = ends[0] if min_n == 1 and ends.size else -1
+    for n in range(2, min(max_n, total - 1) + 1):
+        ends = ends[ends >= n - 1]
+        ends = ends[tokens[ends - (n - 1)] == tokens[total - n]]
+        if not ends.size:
+            break
+        if n >= min_n:
+            best = ends[0]
+    if best < 0:
+        return tokens[:0]
+    return tokens[best + 1:best + 1 + k]
+
+
+class NgramProposer:
+    def __init__(self, num_speculative_tokens: int, prompt_lookup_min: int, prompt_lookup_max: int):
+        self.k = num_speculative_tokens
+        self.min_n, self.max_n = prompt_lookup_min, prompt_lookup_max
+
+    def likely(self, seq) -> bool:
+        """Whether seq's known tokens (all but one still being computed) end with an n-gram seen
+        before: a cheap forecast of a draft once the newest token is known."""
+        return ngram_lookup(settled_tokens(seq), self.min_n, self.max_n, 1).size > 0
+
+    def propose(self, seqs, caps: list[int], block_manager=None) -> list[list[int]]:
+        """Up to caps[i] draft tokens for each of seqs (whose tokens are all known)."""
+        return [ngram_lookup(settled_tokens(seq), self.min_n, self.max_n, cap).tolist() for seq, cap in zip(seqs, caps)]
+
+    def release(self, seq):
+        pass
+
+    def shutdown(self):
+        pass
