@@ -26,6 +26,12 @@ class LLM:
     def get_tokenizer(self):
         return self.engine.tokenizer
 
+    def get_metrics(self) -> dict:
+        """The engine's counters since it started (LLMEngine.get_metrics): preemptions, prefix-cache
+        tokens, and with speculative decoding spec_decode_num_drafts, spec_decode_num_draft_tokens,
+        spec_decode_num_accepted_tokens and spec_decode_num_accepted_tokens_per_pos."""
+        return self.engine.get_metrics()
+
     # ---- generation ---------------------------------------------------------------------
     def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None,
                  use_tqdm: bool = True) -> list[dict]:

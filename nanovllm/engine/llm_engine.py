@@ -138,6 +138,17 @@ class LLMEngine:
         self.structured.release(seq)
         self.speculator.release(seq)
 
+    def get_metrics(self) -> dict:
+        """Counters since the engine started (vLLM's names, without the "vllm:" prefix): preemptions,
+        prefix-cache tokens queried and hit, and with speculative decoding the drafts verified, their
+        tokens, of them accepted, and accepted by position in the draft."""
+        bm = self.block_manager
+        metrics = {"num_preemptions": self.scheduler.num_preemptions, "prefix_cache_queries": bm.prefix_queries,
+                   "prefix_cache_hits": bm.prefix_hits}
+        if self.speculator.enabled:
+            metrics.update(self.speculator.stats.as_dict())
+        return metrics
+
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished() or self._in_flight is not None
 
