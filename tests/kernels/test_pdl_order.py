@@ -15,6 +15,7 @@ EARLY_READS = {
     "_balanced_decode_kernel": {"seq_lens_ptr", "block_tables_ptr"},
     "_merge_kernel": {"seq_lens_ptr"},  # paged_decode_balanced.py's
     "_rms_norm_kernel": {"w_ptr"},
+    "_rms_norm_quant_kernel": {"w_ptr"},
     "_qkv_rope_kernel": {"pos_ptr", "cs_ptr", "slot_ptr"},
     "_qk_norm_rope_kernel": {"pos_ptr", "cs_ptr"},
     "_prefill_kernel": {"cu_seqlens_q_ptr", "seq_lens_ptr"},
