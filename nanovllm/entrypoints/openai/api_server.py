@@ -32,7 +32,8 @@ _UNAUTHENTICATED_PATHS = ("/health",)  # probes must work without credentials
 # serve's engine options and the Config fields they set (only when given).
 _ENGINE_OPTIONS = ("device", "dtype", "max_model_len", "max_num_seqs", "max_num_batched_tokens", "enforce_eager",
                    "kv_cache_memory_bytes", "num_kvcache_blocks", "gpu_memory_utilization", "tensor_parallel_size",
-                   "enable_prefix_caching", "kvcache_block_size", "seed", "attention_backend", "load_format")
+                   "enable_prefix_caching", "kvcache_block_size", "seed", "attention_backend", "load_format",
+                   "kv_cache_dtype", "quantization")
 
 
 def add_serve_arguments(p: argparse.ArgumentParser):
@@ -67,6 +68,9 @@ def add_serve_arguments(p: argparse.ArgumentParser):
     g.add_argument("--attention-backend", default=None, choices=["auto", "torch", "triton"])
     g.add_argument("--load-format", default=None, choices=["auto", "safetensors", "dummy"])
     g.add_argument("--seed", type=int, default=None, help="seed of requests that give none")
+    g.add_argument("--kv-cache-dtype", default=None, help="auto (the model dtype) or fp8 (float8_e4m3fn)")
+    g.add_argument("--quantization", default=None, choices=["fp8"],
+                   help="block-FP8 weights for a checkpoint without them (FP8 checkpoints need no flag)")
 
 
 # ---- the app --------------------------------------------------------------------------------
