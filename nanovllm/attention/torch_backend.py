@@ -9,7 +9,14 @@ def gather_context(cache: torch.Tensor, block_table: torch.Tensor, length: int) 
     """The first `length` cached tokens of one sequence: [length, Hkv, D]."""
     block_size = cache.shape[1]
     num_blocks = -(-length // block_size)
-    return cache.index_select(0, block_table[:num_blocks]).flatten(0, 1)[:length]
+    return _index_select(cache, block_table[:num_blocks]).flatten(0, 1)[:length]
+
+
+def _index_select(cache: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """cache.index_select(0, index); an FP8 cache's rows as bytes (not every device's index ops take fp8)."""
+    if cache.dtype == torch.float8_e4m3fn:
+        return cache.view(torch.uint8).index_select(0, index).view(cache.dtype)
+    return cache.index_select(0, index)
 
 
 class TorchAttentionBackend(AttentionBackend):
@@ -63,8 +70,8 @@ class TorchAttentionBackend(AttentionBackend):
             meta.decode_gather = rows, mask
         rows, mask = meta.decode_gather
         # index_select copies whole rows: much faster on the CPU than advanced indexing by [B, S] slots.
-        k = k_cache.view(-1, hkv * d).index_select(0, rows).view(nd, -1, hkv, d)  # [B, S, Hkv, D]
-        v = v_cache.view(-1, hkv * d).index_select(0, rows).view(nd, -1, hkv, d)
+        k = _index_select(k_cache.view(-1, hkv * d), rows).view(nd, -1, hkv, d)  # [B, S, Hkv, D]
+        v = _index_select(v_cache.view(-1, hkv * d), rows).view(nd, -1, hkv, d)
         if kv_scales is not None:
             k, v = dequantize_kv(k, kv_scales[0], q.dtype), dequantize_kv(v, kv_scales[1], q.dtype)
         qg = q.reshape(nd, hkv, -1, d)  # query head h belongs to KV head h // group

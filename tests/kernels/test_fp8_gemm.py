@@ -105,3 +105,19 @@ def test_the_tables_tiles(m, device, gen):
         _close_to_reference(fp8_partial_linear(xq, w, ws, splitk).parts.sum(0), expect, torch.float32)
     gated = fp8_gated_linear(xq, w, ws, fp8_gated_config(m), quantize_output=True)
     assert gated.shape == (m, n // 2)
+
+
+@pytest.mark.parametrize("m", [1, 6, 129, 1000])
+def test_library_block_scaled_mm_equals_the_reference(m, device, gen):
+    """torch._scaled_mm with 1x128 activation and 128x128 weight scales (cuBLASLt, CUDA >= 12.9, sm_90),
+    the engine's prefill GEMM where a start-up check finds it, on a row count that needs padding to 4."""
+    from nanovllm.kernels.fp8_gemm import library_available, library_scaled_mm
+    if not ON_GPU or not library_available(device):
+        pytest.skip("needs torch._scaled_mm's block-scaled FP8 (cuBLASLt on sm_90, CUDA >= 12.9)")
+    k, n = 512, 384
+    w, ws = _weight(n, k, gen, device)
+    _, xq = _activation(m, k, torch.bfloat16, gen, device)
+    bias = torch.randn(n, generator=gen).to(device, torch.bfloat16)
+    out = library_scaled_mm(xq, w, ws, bias)
+    assert out.shape == (m, n) and out.dtype == torch.bfloat16
+    _close_to_reference(out, _reference(xq, w, ws) + bias.float(), torch.bfloat16)
