@@ -235,7 +235,8 @@ def main():
     # otherwise also drop the activation memory the engine keeps in the allocator.
     want = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
     bandwidth, flops = measure_device(torch.device(want))
-    fp8_flops = measure_fp8_matmul(torch.device(want)) if args.quantization else float("nan")
+    fp8_weights = args.quantization == "fp8" or (cfg.get("quantization_config") or {}).get("quant_method") == "fp8"
+    fp8_flops = measure_fp8_matmul(torch.device(want)) if fp8_weights else float("nan")
     engine_start = time.perf_counter()
     memory = {} if args.gpu_memory_utilization is None else {"gpu_memory_utilization": args.gpu_memory_utilization}
     llm = LLM(path, enforce_eager=args.enforce_eager, max_model_len=args.max_model_len, load_format=load_format,
