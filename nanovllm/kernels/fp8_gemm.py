@@ -134,7 +134,9 @@ def _launch(x: QuantizedActivation, weight, scale, out, n, config: Fp8GemmConfig
     splits, bm, bn, warps, stages = config
     k_blocks = triton.cdiv(k, BLOCK_K)
     assert k_blocks % splits == 0, (k, config)
-    tma = tma_compatible(x.data) and tma_compatible(weight)
+    # TMA operands for 64-row tiles (wgmma from shared memory, Hopper's usual FP8 path); 16-row tiles
+    # (mma.sync) keep vLLM's known-good pointer loads.
+    tma = bm >= 64 and tma_compatible(x.data) and tma_compatible(weight)
     if tma:
         a_desc = TensorDescriptor.from_tensor(x.data, [bm, BLOCK_K])
         w_desc = TensorDescriptor.from_tensor(weight, [bn, BLOCK_K])

@@ -172,8 +172,8 @@ def check_tensor_parallel(config, size: int):
 def check_block_quantization(config, size: int, block: int = 128):
     """Raise before any process starts if a fused projection's partition or a tensor-parallel shard of
     a block-quantized checkpoint would start inside a block of `block` x `block` weights (the scales
-    could not be stacked or split). TP=1: every fused partition but the last (v, up) fills whole blocks;
-    TP>1: every shard does."""
+    could not be stacked or split). Every fused partition but the last must fill whole blocks (k and v,
+    gate and up being of one size here, all of them do), and so must every tensor-parallel shard."""
     heads = config.num_attention_heads
     kv_heads = getattr(config, "num_key_value_heads", None) or heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads

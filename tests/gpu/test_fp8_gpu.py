@@ -112,7 +112,7 @@ def test_fp8_kv_cache_doubles_the_blocks_of_a_bf16_cache(tmp_path):
         with LLM(str(tmp_path), load_format="dummy", kv_cache_dtype=kv, kv_cache_memory_bytes=1 << 30,
                  enforce_eager=True, max_model_len=2048) as llm:
             blocks[kv] = llm.config.num_kvcache_blocks
-    assert blocks["fp8"] == 2 * blocks["auto"]
+    assert blocks["fp8"] in (2 * blocks["auto"], 2 * blocks["auto"] + 1)  # whole blocks of the same bytes
 
 
 @pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8"])

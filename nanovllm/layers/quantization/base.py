@@ -6,6 +6,11 @@ finishes them once loading is done, and computes the layer's products. A layer w
 default) keeps its plain weight and its own tuned paths, untouched. A method may take its input
 already quantized (`input_quant`): the kernel that produces the layer's input (the RMSNorm before
 qkv and gate_up, the SwiGLU before down) then hands it over in that form.
+
+A fused-MoE layer takes quantized experts the same way: the config would give it a method that
+creates the [E, N, K] expert weights with their [E, ceil(N/128), ceil(K/128)] scales (each with its
+`weight_loader`) and runs the experts' products; kernels/fp8_gemm.py's `fp8_mainloop` is the per-tile
+block-scaled product such a grouped kernel would share.
 """
 from typing import NamedTuple
 
