@@ -70,7 +70,7 @@ def correctness(shapes):
             want = ref.w8a8_block_matmul(q, qs, w, s, torch.float32)
 
             def dense(m=m, x=x, xq=xq, want=want):
-                out = fp8_linear(xq, w, s, fp8_dense_config(m))  # large m: the fallback's tiles
+                out = fp8_linear(xq, w, s, fp8_dense_config(m, n))  # large m: the fallback's tiles
                 err = _rel_err(out, want)
                 assert err < 5e-3, err
                 exact = _rel_err(out, x.float() @ w16.float().T)
@@ -122,7 +122,7 @@ def timings(shapes, label, ms):
                 tri = lambda: [fp8_partial_linear(xq, w, s, fp8_splitk_config(m, k)) for w, s, _ in ws]  # noqa: E731
                 libf = lambda: [library_scaled_mm(xq, w, s) for w, s, _ in ws]  # noqa: E731
             else:
-                cfg = fp8_dense_config(m)
+                cfg = fp8_dense_config(m, n)
                 tri = lambda: [fp8_linear(xq, w, s, cfg) for w, s, _ in ws]  # noqa: E731
                 libf = lambda: [library_scaled_mm(xq, w, s) for w, s, _ in ws]  # noqa: E731
             bf16 = lambda: [F.linear(x, w16) for _, _, w16 in ws]  # noqa: E731

@@ -198,26 +198,28 @@ def fp8_gated_linear(x: QuantizedActivation, weight: torch.Tensor, scale: torch.
 
 
 # ---- tiles -----------------------------------------------------------------------------------
-# Fixed tables for the H200, chosen from vLLM's tuned H200 tables of its block-FP8 Triton GEMM
-# (N=12288, K=7168 and N=1536, K=7168): 16-row tiles up to 16 rows, 64-row tiles beyond, BK=128.
-# The gated form computes two products per tile (gate and up): 8 warps for 64-row tiles keep the
-# fp32 accumulators and each block's product within the registers.
+# Fixed tables for the H200, from vLLM's tuned H200 tables of its block-FP8 Triton GEMM (N=12288 and
+# N=1536, K=7168): 16-row tiles up to 16 rows, 64-row tiles beyond, BK=128, 4-5 stages. A decode
+# batch fits one row of tiles (the weights are read once); the tiles along N are then as wide as
+# still gives about one program per SM (qkv of Qwen3-8B, N=6144: 32 columns, 192 programs). The gated
+# form computes two products per tile and quantizes its output per tile: 128 columns (one group), 8
+# warps for 64-row tiles to hold both fp32 accumulators and a block's products in registers.
 PREFILL_CONFIG = Fp8GemmConfig(1, 64, 128, 4, 3)  # where the library GEMM is unavailable
+_MIN_PROGRAMS = 128
 
 
-def fp8_dense_config(m: int) -> Fp8GemmConfig:
-    if m <= 16:
-        return Fp8GemmConfig(1, 16, 32, 4, 5)
-    if m <= 64:
-        return Fp8GemmConfig(1, 64, 128, 4, 4)
-    if m <= MAX_TRITON_M:
-        return Fp8GemmConfig(1, 64, 64, 4, 3)
-    return PREFILL_CONFIG
+def fp8_dense_config(m: int, n: int) -> Fp8GemmConfig:
+    if m > MAX_TRITON_M:
+        return PREFILL_CONFIG
+    bm, stages = (16, 5) if m <= 16 else (64, 4)
+    rows = triton.cdiv(m, bm)
+    bn = next((bn for bn in (128, 64) if triton.cdiv(n, bn) * rows >= _MIN_PROGRAMS), 32)
+    return Fp8GemmConfig(1, bm, bn, 4, stages)
 
 
 def fp8_gated_config(m: int) -> Fp8GemmConfig:
     if m <= 16:
-        return Fp8GemmConfig(1, 16, 128, 4, 3)
+        return Fp8GemmConfig(1, 16, 128, 4, 4)
     return Fp8GemmConfig(1, 64, 128, 8, 3)
 
 

@@ -161,7 +161,7 @@ class Fp8LinearMethod(LinearMethod):
                 return fp8_gemm.fp8_partial_linear(x, w, scale, config)
         if self.library and m > fp8_gemm.MAX_TRITON_M:
             return fp8_gemm.library_scaled_mm(x, w, scale, bias)
-        y = fp8_gemm.fp8_linear(x, w, scale, fp8_gemm.fp8_dense_config(m))
+        y = fp8_gemm.fp8_linear(x, w, scale, fp8_gemm.fp8_dense_config(m, w.shape[0]))
         return y if bias is None else y.add_(bias)
 
     def apply_swiglu(self, layer, x):
