@@ -243,9 +243,16 @@ def library_scaled_mm(x: QuantizedActivation, weight: torch.Tensor, scale: torch
 
 
 def library_applies(weight: torch.Tensor) -> bool:
-    """Shapes cuBLASLt's block-scaled kernels take: K and N in whole blocks."""
+    """Shapes cuBLASLt's block-scaled kernels take: K and N in whole blocks (and bf16 activations,
+    `library_takes`)."""
     n, k = weight.shape
     return n % BLOCK_K == 0 and k % BLOCK_K == 0 and library_available(weight.device)
+
+
+def library_takes(x: QuantizedActivation) -> bool:
+    """The library GEMM for these rows: past our kernel's sizes, with the bf16 output the start-up check
+    verified (fp16 / fp32 models keep our kernel)."""
+    return x.rows > MAX_TRITON_M and x.dtype == torch.bfloat16
 
 
 @functools.lru_cache(maxsize=None)

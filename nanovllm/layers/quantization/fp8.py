@@ -159,7 +159,7 @@ class Fp8LinearMethod(LinearMethod):
             config = fp8_gemm.fp8_splitk_config(m, w.shape[1])
             if config is not None:
                 return fp8_gemm.fp8_partial_linear(x, w, scale, config)
-        if self.library and m > fp8_gemm.MAX_TRITON_M:
+        if self.library and fp8_gemm.library_takes(x):
             return fp8_gemm.library_scaled_mm(x, w, scale, bias)
         y = fp8_gemm.fp8_linear(x, w, scale, fp8_gemm.fp8_dense_config(m, w.shape[0]))
         return y if bias is None else y.add_(bias)
@@ -170,7 +170,7 @@ class Fp8LinearMethod(LinearMethod):
         x = self._quantized(x)
         w, scale = layer.weight, layer.weight_scale_inv
         quant_out = layer.quant_out is not None  # down_proj takes block-FP8 input
-        if self.library and x.rows > fp8_gemm.MAX_TRITON_M:
+        if self.library and fp8_gemm.library_takes(x):
             gate_up = fp8_gemm.library_scaled_mm(x, w, scale)
             if quant_out:
                 return silu_and_mul_quant(gate_up)
