@@ -334,7 +334,7 @@ def paged_decode_attention(
     dot_prec = "ieee" if q.dtype == torch.float32 else "tf32"
     _decode_split_kernel[(num_kv_heads * head_blocks, batch, num_splits)](
         q, k_cache, v_cache, block_tables, seq_lens, seq_lens if order is None else order,
-        out, part_o, part_lse, *(kv_scales if kv_fp8 else (seq_lens, seq_lens)),
+        out, part_o, part_lse, *(kv_scales if kv_fp8 else (k_cache, k_cache)),  # placeholders: fixed, aligned
         scale * _LOG2E,
         q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),

@@ -311,7 +311,7 @@ def paged_prefill_attention(
         k_desc = v_desc = k_cache  # KV_DESC=False never reads them
     _prefill_kernel[grid](
         q, k_cache, v_cache, out,
-        cu_seqlens_q, seq_lens, block_tables, *(kv_scales if kv_fp8 else (seq_lens, seq_lens)),
+        cu_seqlens_q, seq_lens, block_tables, *(kv_scales if kv_fp8 else (k_cache, k_cache)),  # placeholders: aligned
         scale * _LOG2E,
         num_kv_heads,
         q.stride(0), q.stride(1),

@@ -89,7 +89,7 @@ def store_kv_cache(
     # Big rows (many heads x wide dims) get more warps so each thread moves ~16B chunks.
     num_warps = 4 if block_h * block_d <= 4096 else 8
     _store_kv_kernel[(n,)](
-        key, value, k_cache, v_cache, slot_mapping, *((k_scale, v_scale) if kv_fp8 else (slot_mapping,) * 2),
+        key, value, k_cache, v_cache, slot_mapping, *((k_scale, v_scale) if kv_fp8 else (k_cache, k_cache)),
         k_cache.shape[1],
         key.stride(0), key.stride(1),
         value.stride(0), value.stride(1),
