@@ -13,6 +13,7 @@ KERNELS = pathlib.Path(pdl.__file__).parent
 EARLY_READS = {
     "_decode_split_kernel": {"order_ptr", "seq_lens_ptr", "block_tables_ptr"},
     "_rms_norm_kernel": {"w_ptr"},
+    "_rms_norm_quant_kernel": {"w_ptr"},
     "_qkv_rope_kernel": {"pos_ptr", "cs_ptr", "slot_ptr"},
     "_qk_norm_rope_kernel": {"pos_ptr", "cs_ptr"},
     "_prefill_kernel": {"cu_seqlens_q_ptr", "seq_lens_ptr"},
