@@ -69,10 +69,11 @@ class DecoderMLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config, qkv_bias, o_bias, qk_norm, mlp_bias):
+    def __init__(self, config, qkv_bias, o_bias, qk_norm, mlp_bias, mlp: nn.Module | None = None):
+        """mlp: the feed-forward block, if not the dense one (an MoE layer: models/moe.py)."""
         super().__init__()
         self.self_attn = DecoderAttention(config, qkv_bias, o_bias, qk_norm)
-        self.mlp = DecoderMLP(config, mlp_bias)
+        self.mlp = mlp if mlp is not None else DecoderMLP(config, mlp_bias)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -87,10 +88,11 @@ class DecoderLayer(nn.Module):
 
 
 class DecoderModel(nn.Module):
-    def __init__(self, config, **switches):
+    def __init__(self, config, make_mlp=None, **switches):
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(config, **switches) for _ in range(config.num_hidden_layers))
+        self.layers = nn.ModuleList(DecoderLayer(config, **switches, mlp=make_mlp(config, i) if make_mlp else None)
+                                    for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(self, input_ids, positions, meta):
@@ -115,10 +117,15 @@ class DecoderForCausalLM(nn.Module):
     def switches(cls, config) -> dict:
         raise NotImplementedError
 
+    @classmethod
+    def make_mlp(cls, config, layer_idx: int) -> nn.Module | None:
+        """Layer layer_idx's feed-forward block; None: the dense MLP."""
+        return None
+
     def __init__(self, config):
         super().__init__()
         self.config = config
-        self.model = DecoderModel(config, **self.switches(config))
+        self.model = DecoderModel(config, self.make_mlp, **self.switches(config))
         self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         if self.tie_word_embeddings:
@@ -155,5 +162,8 @@ def check_tensor_parallel(config, size: int):
         raise ValueError(f"tensor_parallel_size={size} must divide num_attention_heads={heads}")
     if kv_heads % size and size % kv_heads:
         raise ValueError(f"tensor_parallel_size={size} and num_key_value_heads={kv_heads}: one must divide the other")
-    if config.intermediate_size % size:
-        raise ValueError(f"tensor_parallel_size={size} must divide intermediate_size={config.intermediate_size}")
+    # The dense MLP's and (MoE models) every expert's and the shared expert's intermediate dimension.
+    for field in ("intermediate_size", "moe_intermediate_size", "shared_expert_intermediate_size"):
+        value = getattr(config, field, None)
+        if value and value % size:
+            raise ValueError(f"tensor_parallel_size={size} must divide {field}={value}")
