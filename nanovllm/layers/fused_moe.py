@@ -45,7 +45,7 @@ class RoutingStats(NamedTuple):
         """The torch path's record (CPU)."""
         step = int(self.step)
         self.distinct[step % self.distinct.numel()] = torch.unique(ids).numel()
-        self.step += 1
+        self.step.add_(1)
 
 
 class StackedExperts(nn.Module):
