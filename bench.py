@@ -4,6 +4,8 @@
     python bench.py --config benchmarks/configs/qwen3-8b.json
     python bench.py --model /path/to/Qwen3-0.6B        # real weights
     python bench.py --single              # one request: 128-token prompt, 512 new tokens, greedy
+    python bench.py --config benchmarks/configs/qwen3-30b-a3b.json   # a mixture of experts: the roofline
+                                          # reads the weights of the experts each step routed to
 
 Workload (nano-vllm's bench.py): random.seed(0); 256 prompts of randint(100, 1024) random token
 ids in [0, 10000], then max_tokens randint(100, 1024) each; temperature 0.6, ignore_eos. One
@@ -102,24 +104,51 @@ class ScheduleRecorder:
         return out
 
 
-def roofline(cfg, steps, bandwidth: float, flops: float, dtype_bytes: int = 2) -> dict:
-    """Ideal time of the recorded schedule: bytes every step must move over the measured bandwidth,
-    plus prefill FLOPs over the measured matmul rate."""
+def architecture_costs(cfg, dtype_bytes: int = 2) -> dict:
+    """Per-step weight bytes and per-token FLOPs of the architecture in config.json. A mixture of experts
+    splits its weights into what every step reads (attention, routers, dense layers, shared experts, the
+    LM head) and one expert's weights, read once per step for each (layer, expert) the step routes to."""
     h, layers, vocab = cfg["hidden_size"], cfg["num_hidden_layers"], cfg["vocab_size"]
     heads, kv_heads = cfg["num_attention_heads"], cfg.get("num_key_value_heads", cfg["num_attention_heads"])
     d = cfg.get("head_dim") or h // heads
-    inter = cfg["intermediate_size"]
-    layer_params = h * (heads + 2 * kv_heads) * d + heads * d * h + 3 * h * inter
-    weight_bytes = (layers * layer_params + vocab * h) * dtype_bytes  # every layer + the LM head
-    kv_token_bytes = 2 * layers * kv_heads * d * dtype_bytes
+    attention = h * (heads + 2 * kv_heads) * d + heads * d * h
+    experts = cfg.get("num_local_experts") or cfg.get("num_experts") or 0
+    if "num_local_experts" in cfg:  # Mixtral: every layer sparse, experts of intermediate_size
+        sparse, expert_inter = layers, cfg["intermediate_size"]
+    else:  # the Qwen MoE families' rule (models/moe.py)
+        only = set(cfg.get("mlp_only_layers") or [])
+        step = cfg.get("decoder_sparse_step", 1)
+        sparse = sum(1 for i in range(layers) if experts and i not in only and (i + 1) % step == 0)
+        expert_inter = cfg.get("moe_intermediate_size", 0)
+    top_k = cfg.get("num_experts_per_tok", 0) if sparse else 0
+    shared = 3 * h * cfg.get("shared_expert_intermediate_size", 0) + h if sparse and "shared_expert_intermediate_size" in cfg else 0
+    expert_params = 3 * h * expert_inter
+    dense_mlp = 3 * h * cfg["intermediate_size"]
+    dense_params = layers * attention + (layers - sparse) * dense_mlp + sparse * (experts * h + shared)
+    active_params = dense_params + sparse * top_k * expert_params  # per token, without the LM head
+    return {"dense_weight_bytes": (dense_params + vocab * h) * dtype_bytes, "expert_bytes": expert_params * dtype_bytes,
+            "sparse_layers": sparse, "num_experts": experts, "active_params": active_params,
+            "kv_bytes_per_token": 2 * layers * kv_heads * d * dtype_bytes, "layers": layers, "heads": heads, "head_dim": d}
+
+
+def roofline(cfg, steps, bandwidth: float, flops: float, dtype_bytes: int = 2,
+             routed_experts: list[int] | None = None) -> dict:
+    """Ideal time of the recorded schedule: bytes every step must move over the measured bandwidth,
+    plus prefill FLOPs over the measured matmul rate. routed_experts: per step, the (layer, expert)
+    pairs its router chose, summed over the MoE layers; without it every expert counts every step."""
+    c = architecture_costs(cfg, dtype_bytes)
+    layers, heads, d = c["layers"], c["heads"], c["head_dim"]
+    if routed_experts is None:
+        routed_experts = [c["sparse_layers"] * c["num_experts"]] * len(steps)
+    assert len(routed_experts) == len(steps), (len(routed_experts), len(steps))
     decode_bytes = prefill_flops = 0.0
     step_ideal = []
-    for num_decodes, new, ctx, computed in steps:
-        # Memory: weights once per step, plus the KV every decode row reads.
-        step_bytes = weight_bytes + kv_token_bytes * sum(ctx[:num_decodes])
+    for (num_decodes, new, ctx, computed), routed in zip(steps, routed_experts):
+        # Memory: the weights once per step (of the experts routed to), plus the KV every decode row reads.
+        step_bytes = c["dense_weight_bytes"] + c["expert_bytes"] * routed + c["kv_bytes_per_token"] * sum(ctx[:num_decodes])
         step_flops = 0.0
         for n, start in zip(new[num_decodes:], computed[num_decodes:]):
-            step_flops += 2 * layer_params * layers * n
+            step_flops += 2 * c["active_params"] * n
             # causal attention: QK^T and PV over each new token's context
             step_flops += 4 * layers * heads * d * (n * start + n * (n + 1) / 2)
         decode_bytes += step_bytes
@@ -127,9 +156,44 @@ def roofline(cfg, steps, bandwidth: float, flops: float, dtype_bytes: int = 2) -
         step_ideal.append(step_bytes / bandwidth + step_flops / flops)
     t_mem = decode_bytes / bandwidth
     t_compute = prefill_flops / flops
-    return {"weight_bytes_per_step": weight_bytes, "kv_bytes_per_token": kv_token_bytes,
-            "bytes_moved": decode_bytes, "prefill_flops": prefill_flops,
+    return {"weight_bytes_per_step": c["dense_weight_bytes"] + c["expert_bytes"] * c["sparse_layers"] * c["num_experts"],
+            "kv_bytes_per_token": c["kv_bytes_per_token"], "bytes_moved": decode_bytes, "prefill_flops": prefill_flops,
             "ideal_time_s": t_mem + t_compute, "steps": len(steps), "step_ideal_s": step_ideal}
+
+
+class RoutingRecord:
+    """The router's choices over a run, from the MoE layers' device-side records (layers/fused_moe.py's
+    RoutingStats, on with NANOVLLM_RECORD_ROUTING=1 before the engine starts; rank 0's under tensor
+    parallelism, whose router sees the same inputs): per forward pass since `start()`, the distinct
+    experts each layer routed to, read once at the end."""
+
+    def __init__(self, llm):
+        from nanovllm.layers.fused_moe import SparseMoeBlock
+        runner = llm.engine.model_runner
+        model = getattr(runner, "runner", runner).model  # a tensor-parallel executor holds rank 0's runner
+        self.blocks = [m for m in model.modules() if isinstance(m, SparseMoeBlock) and m.routing_stats is not None]
+        self._start = self._end = None
+
+    def _steps(self) -> list[int]:
+        return [int(b.routing_stats.step) for b in self.blocks]
+
+    def start(self):
+        self._start = self._steps()
+
+    def stop(self):
+        self._end = self._steps()
+
+    def per_step(self) -> list[int] | None:
+        """Per forward pass between start() and stop(), the distinct experts summed over the layers."""
+        if not self.blocks:
+            return None
+        counts = []
+        for block, first, last in zip(self.blocks, self._start, self._end):
+            ring = block.routing_stats.distinct
+            assert last - first <= ring.numel(), "more forward passes than the record's ring holds"
+            counts.append(ring[torch.arange(first, last) % ring.numel()].tolist())
+        assert len({len(c) for c in counts}) == 1, "MoE layers recorded different numbers of passes"
+        return [sum(col) for col in zip(*counts)]
 
 
 def step_walls(times: list[float], end: float) -> list[float]:
@@ -142,8 +206,9 @@ def prefill_walls(steps, walls) -> list[float]:
     return [w for (num_decodes, new, _, _), w in zip(steps, walls) if len(new) > num_decodes]
 
 
-def step_breakdown(steps, times, end: float, step_ideal) -> list[dict]:
-    """Wall time against ideal time, by kind of step: where the run loses to the roofline."""
+def step_breakdown(steps, times, end: float, step_ideal, experts_per_layer: list[float] | None = None) -> list[dict]:
+    """Wall time against ideal time, by kind of step: where the run loses to the roofline (and, for a
+    mixture of experts, the mean number of experts a layer routed to in those steps)."""
     bins = [("prefill/mixed", lambda nd, n: n > nd), ("decode 1-15", lambda nd, n: n == nd < 16),
             ("decode 16-63", lambda nd, n: n == nd and 16 <= nd < 64),
             ("decode 64-127", lambda nd, n: n == nd and 64 <= nd < 128),
@@ -155,6 +220,8 @@ def step_breakdown(steps, times, end: float, step_ideal) -> list[dict]:
         wall, ideal = sum(walls[i] for i in idx), sum(step_ideal[i] for i in idx)
         rows.append({"steps": name, "count": len(idx), "wall_s": wall, "ideal_s": ideal,
                      "wall_ms_per_step": 1e3 * wall / max(len(idx), 1), "ideal_ms_per_step": 1e3 * ideal / max(len(idx), 1)})
+        if experts_per_layer is not None:
+            rows[-1]["experts_per_layer"] = sum(experts_per_layer[i] for i in idx) / max(len(idx), 1)
     return rows
 
 
@@ -216,6 +283,9 @@ def main():
         import nanovllm.kernels.gemm as gemm
         gemm.splitk_config = lambda m, n, k: None
     path, cfg, load_format = model_dir(args)
+    moe = architecture_costs(cfg)["sparse_layers"] > 0
+    if moe:  # the MoE layers count the experts they route to (device-side), for the roofline
+        os.environ["NANOVLLM_RECORD_ROUTING"] = "1"
     # Before the engine exists: the measurement's buffers are freed and its cache emptied, which would
     # otherwise also drop the activation memory the engine keeps in the allocator.
     want = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
@@ -250,6 +320,9 @@ def main():
         instrument(llm.engine)
         stage_totals = TOTALS
     recorder = ScheduleRecorder(llm.engine.scheduler, stage_totals)
+    routing = RoutingRecord(llm) if moe else None
+    if routing is not None:
+        routing.start()  # reads the device: before the clock starts
     if device.type == "cuda":
         torch.cuda.synchronize()
         before = torch.cuda.memory_stats()
@@ -260,6 +333,8 @@ def main():
     start, start_unix = time.perf_counter(), time.time()
     outputs = llm.generate(prompts, params, use_tqdm=False)
     elapsed = time.perf_counter() - start
+    if routing is not None:
+        routing.stop()
     if clocks is not None:
         clocks.stop()
     gc.callbacks.remove(gc_pauses.callback)
@@ -312,7 +387,12 @@ def main():
     dtype_bytes = torch.tensor([], dtype=llm.config.torch_dtype).element_size()
     # Tensor parallelism: each rank moves and computes its shard, so the ideal is the ranks' sum.
     tp = args.tensor_parallel_size
-    roof = roofline(cfg, steps, bandwidth * tp, flops * tp, dtype_bytes)
+    routed = routing.per_step() if routing is not None else None
+    if moe and (routed is None or len(routed) != len(steps)):
+        print(f"routing record: {None if routed is None else len(routed)} forward passes for {len(steps)} steps; "
+              "the roofline counts every expert in every step")
+        routed = None
+    roof = roofline(cfg, steps, bandwidth * tp, flops * tp, dtype_bytes, routed)
     ideal_tput = out_tokens / roof["ideal_time_s"]
     result = {
         "mode": "single" if args.single else "throughput", "model": args.model or os.path.basename(args.config),
@@ -323,8 +403,13 @@ def main():
         "fraction_of_roofline": throughput / ideal_tput, "enforce_eager": args.enforce_eager,
         "tensor_parallel_size": args.tensor_parallel_size,
         "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-        "breakdown": step_breakdown(steps, times, start + elapsed, roof["step_ideal_s"]),
+        "breakdown": step_breakdown(steps, times, start + elapsed, roof["step_ideal_s"],
+                                    None if routed is None else [r / architecture_costs(cfg)["sparse_layers"] for r in routed]),
     }
+    if routed is not None:
+        costs = architecture_costs(cfg, dtype_bytes)
+        result["expert_bytes_read"] = sum(routed) * costs["expert_bytes"]
+        result["mean_experts_per_layer"] = sum(routed) / len(routed) / costs["sparse_layers"]
     if args.sampler_ab:
         result["sampler_ab_s"] = ab
     if args.steps_json:
@@ -338,9 +423,14 @@ def main():
           f"ideal {roof['ideal_time_s']:.2f}s = {ideal_tput:,.0f} tok/s; achieved {throughput / ideal_tput:.1%}")
     print(f"  before the first step {1e3 * (times[0] - start):.1f} ms; prefill/mixed step walls (ms): " + " ".join(
         f"{1e3 * w:.1f}" for w in prefill_walls(steps, step_walls(times, start + elapsed))))
+    if routed is not None:
+        print(f"  routed experts: {result['mean_experts_per_layer']:.1f} of {architecture_costs(cfg)['num_experts']} per "
+              f"layer and step on average, {result['expert_bytes_read'] / 1e9:.1f} GB of expert weights in the ideal")
     for row in result["breakdown"]:
+        experts = f", {row['experts_per_layer']:.1f} experts/layer" if "experts_per_layer" in row else ""
         print(f"  {row['steps']:>14}: {row['count']:5d} steps, wall {row['wall_s']:.3f}s "
-              f"({row['wall_ms_per_step']:.2f} ms/step), ideal {row['ideal_s']:.3f}s ({row['ideal_ms_per_step']:.2f} ms/step)")
+              f"({row['wall_ms_per_step']:.2f} ms/step), ideal {row['ideal_s']:.3f}s ({row['ideal_ms_per_step']:.2f} ms/step)"
+              + experts)
     if args.host_stages:
         print_host_stages(steps, step_walls(times, start + elapsed), recorder.stages)
     if clocks is not None:

@@ -24,9 +24,13 @@ from nanovllm.layers.activation import silu_and_mul
 from nanovllm.layers.linear import MergedColumnParallelLinear, ReplicatedLinear, RowParallelLinear
 
 MAX_EXPERTS = 1024  # the top-k kernel holds a token block's E probabilities in registers
-# bench.py turns this on (before the engine starts) to count, per forward pass and MoE layer, the
-# distinct experts the router chose: its roofline reads the weights of those experts only.
-RECORD_ROUTING = os.environ.get("NANOVLLM_RECORD_ROUTING", "0") == "1"
+
+
+def record_routing() -> bool:
+    """NANOVLLM_RECORD_ROUTING=1 (bench.py sets it before the engine starts; tensor-parallel workers
+    inherit it): count, per forward pass and MoE layer, the distinct experts the router chose, for a
+    roofline that reads the weights of those experts only."""
+    return os.environ.get("NANOVLLM_RECORD_ROUTING", "0") == "1"
 
 
 class RoutingStats(NamedTuple):
@@ -107,7 +111,7 @@ class SparseMoeBlock(nn.Module):
         if shared_intermediate_size:
             self.shared_expert = SharedExpert(hidden_size, shared_intermediate_size)
             self.shared_expert_gate = ReplicatedLinear(hidden_size, 1)
-        self.routing_stats = RoutingStats.create() if RECORD_ROUTING else None
+        self.routing_stats = RoutingStats.create() if record_routing() else None
 
     def forward(self, x: torch.Tensor):
         logits = self.gate(x)  # [T, E] in the activation dtype

@@ -122,8 +122,7 @@ def test_random_weights_for_benchmarks(model_factory, tmp_path):
 
 
 def test_routing_stats_count_distinct_experts_per_forward(model_factory, monkeypatch):
-    import nanovllm.layers.fused_moe as fused_moe
-    monkeypatch.setattr(fused_moe, "RECORD_ROUTING", True)
+    monkeypatch.setenv("NANOVLLM_RECORD_ROUTING", "1")
     llm = LLM(model_factory("qwen3_moe"), dtype="float32")
     blocks = [m for m in llm.engine.model_runner.model.modules() if isinstance(m, SparseMoeBlock)]
     assert len(blocks) == 2 and all(isinstance(b.routing_stats, RoutingStats) for b in blocks)
