@@ -448,7 +448,7 @@ def main():
         with open(args.json, "w") as f:
             json.dump(result, f, indent=1)
     if args.profile and device.type == "cuda":
-        profile_run(llm, [[(t + 1) % 10000 for t in p] for p in prompts], params, trace=args.trace)
+        profile_run(llm, [[(t + 1) % 10000 for t in p] for p in prompts], params, trace=args.trace, steps=len(steps))
     llm.shutdown()
 
 

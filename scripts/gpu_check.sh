@@ -22,7 +22,10 @@
 # attention tiles, K/V by pointers and through TMA), lmhead (the LM head and the sampling draw in one kernel vs cuBLAS +
 # the sampling pass), green (decode attention and the other half-batch's GEMMs on disjoint SMs through CUDA green
 # contexts), libgemm (the decode projections through cuBLAS, cuBLASLt and CUTLASS's grouped GEMM against ours, weights
-# from HBM), ncu (Nsight Compute's counters for decode attention and the decode projections), and on a two-GPU machine tp (the tensor-parallel GPU tests), bench8btp (Qwen3-8B over two GPUs) and
+# from HBM), ncu (Nsight Compute's counters for decode attention and the decode projections), moe (the fused-MoE kernel and
+# GPU tests, then scripts/bench_moe.py: fused vs a torch per-expert loop, bandwidth at decode sizes), moesweep (its tile
+# sweep), benchmoe / singlemoe (bench.py on Qwen3-30B-A3B, throughput and one request), profilemoe (bench.py --profile on it:
+# device time by kind of kernel), and on a two-GPU machine tp (the tensor-parallel GPU tests), bench8btp (Qwen3-8B over two GPUs) and
 # bench8btp1shot (the same with the one-shot all-reduce, NANOVLLM_ONE_SHOT_ALL_REDUCE=1).
 set -o pipefail
 OUTDIR=${1:-${OUT:-/tmp/nanovllm-gpu}}
@@ -85,6 +88,12 @@ for stage in $STAGES; do
              done ;;
     green)   run green python3 scripts/bench_green_overlap.py --batch 256 128 --gemm-sms 24 32 40 48 ;;
     single)  run single python3 bench.py --single --json "$OUTDIR/bench_single.json" ;;
+    moe)     run moetests python3 -m pytest tests/kernels/test_moe.py tests/gpu/test_moe_gpu.py -q -p no:cacheprovider --durations=8
+             run moekernels python3 scripts/bench_moe.py ;;
+    moesweep) run moesweep python3 scripts/bench_moe.py --sweep --tokens ${MOE_TOKENS:-1,16,64,256,1024,8192} ;;
+    benchmoe) run benchmoe python3 bench.py --config benchmarks/configs/qwen3-30b-a3b.json --json "$OUTDIR/bench_qwen3_30b_a3b.json" ;;
+    singlemoe) run singlemoe python3 bench.py --config benchmarks/configs/qwen3-30b-a3b.json --single --json "$OUTDIR/bench_qwen3_30b_a3b_single.json" ;;
+    profilemoe) run profilemoe python3 bench.py --config benchmarks/configs/qwen3-30b-a3b.json --profile ;;
     tp)      run tp python3 -m pytest tests/gpu/test_tensor_parallel_gpu.py -q -p no:cacheprovider --durations=8 ;;
     bench8btp) run bench8btp python3 bench.py --config benchmarks/configs/qwen3-8b.json -tp 2 --json "$OUTDIR/bench_qwen3_8b_tp2.json" ;;
     bench8btp1shot) NANOVLLM_ONE_SHOT_ALL_REDUCE=1 run bench8btp1shot python3 bench.py --config benchmarks/configs/qwen3-8b.json -tp 2 --json "$OUTDIR/bench_qwen3_8b_tp2_one_shot.json" ;;

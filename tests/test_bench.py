@@ -144,3 +144,14 @@ def test_moe_roofline_counts_dense_parts_once_and_experts_per_route():
     c = architecture_costs(dense)
     layer = 1024 * (16 + 16) * 128 + 16 * 128 * 1024 + 3 * 1024 * 3072
     assert c["dense_weight_bytes"] == (28 * layer + 151936 * 1024) * 2 and c["sparse_layers"] == 0
+
+
+def test_profile_kernel_kinds():
+    """--profile's split of device time by kind of kernel (router+sort, expert GEMMs, attention, ...)."""
+    sys.path.insert(0, ROOT)
+    from benchmarks.diagnostics import kernel_kinds
+    rows = [("_moe_gate_up_kernel", 10, 3e6), ("_moe_down_kernel", 10, 1e6), ("_moe_topk_kernel", 10, 2e5),
+            ("_moe_align_kernel", 10, 3e5), ("_decode_split_kernel", 5, 1e6), ("nvjet_tst_64x8_64x16_4x1_v_bz", 3, 4e5),
+            ("Memcpy HtoD (Pinned -> Device)", 2, 1e4)]
+    assert kernel_kinds(rows) == [("router+sort (top-k, align)", 0.5), ("expert GEMMs", 4.0), ("attention", 1.0),
+                                  ("library GEMMs (incl. the MoE router)", 0.4), ("other", 0.01)]
