@@ -117,3 +117,20 @@ def test_moe_block_kernel_path_matches_the_torch_path(t, shared, device, gen):
     weights, ids = block.route_torch(block.gate(x))
     expect = block.experts_torch(x, weights, ids) + (block._shared(x) if shared else 0)
     torch.testing.assert_close(out.parts.sum(0), expect, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("parts_dtype", [torch.float32, torch.float16])
+def test_the_next_rmsnorm_sums_the_expert_slices(parts_dtype, device, gen):
+    """The combine: the residual-add RMSNorm after the layer sums its k weighted slices, fp32 or (long
+    steps) in the activation dtype, as it would sum split-K partials."""
+    from nanovllm.kernels.fused_ops import fused_add_rms_norm
+    from nanovllm.kernels.gemm import SplitKOutput
+    k, t, h = 9, 5, SHAPE[2]
+    parts = torch.randn(k, t, h, generator=gen).to(device, parts_dtype)
+    residual = torch.randn(t, h, generator=gen).to(device, torch.float16)
+    weight = torch.rand(h, generator=gen).to(device, torch.float16)
+    y, new_residual = fused_add_rms_norm(SplitKOutput(parts, torch.float16), residual, weight, 1e-6)
+    total = SplitKOutput(parts, torch.float16).sum()
+    expect_y, expect_residual = fused_add_rms_norm(total, residual, weight, 1e-6)
+    torch.testing.assert_close(new_residual, expect_residual, atol=0, rtol=0)
+    torch.testing.assert_close(y, expect_y, atol=0, rtol=0)
