@@ -83,7 +83,7 @@ def tile_variants(base: MoeTile, gated: bool, block_m: int):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--tokens", default="1,2,4,8,16,32,64,128,256,512,1024,4096,16384")
+    ap.add_argument("--tokens", default="1,4,16,64,128,256,512,2048,16384")
     ap.add_argument("--tp", type=int, default=1, help="the expert intermediate size of one of this many ranks")
     ap.add_argument("--sweep", action="store_true")
     args = ap.parse_args()

@@ -54,6 +54,20 @@ def test_align_matches_the_reference(t, block_m, skew, device, gen):
     assert torch.equal(routing.block_expert[:num_padded // block_m].cpu(), block_expert)
 
 
+@pytest.mark.parametrize("e,k", [(6, 1), (60, 4), (6, 3)])  # expert counts that are no power of two (Qwen1.5-MoE: 60)
+def test_routing_with_other_expert_counts(e, k, device, gen):
+    t = 37
+    logits = torch.stack([torch.randperm(e, generator=gen) for _ in range(t)]).sub(e / 2).div(16).to(device)
+    routing = route(logits, k, 16, False, False)
+    weights, ids = ref.moe_topk(logits, k, False, False)
+    assert torch.equal(routing.ids, ids)
+    torch.testing.assert_close(routing.weights, weights, atol=1e-6, rtol=1e-5)
+    sorted_ids, block_expert, num_padded = ref.moe_align(routing.ids.cpu(), e, 16)
+    assert int(routing.num_padded) == num_padded
+    assert torch.equal(routing.sorted_ids[:num_padded].cpu(), sorted_ids)
+    assert torch.equal(routing.block_expert[:num_padded // 16].cpu(), block_expert)
+
+
 def test_align_records_distinct_experts(device, gen):
     e, k, _, _ = SHAPE
     distinct, step = torch.zeros(4, dtype=torch.int32, device=device), torch.zeros(1, dtype=torch.int32, device=device)
