@@ -1,7 +1,7 @@
 """The fused-MoE kernels of one Qwen3-30B-A3B layer (128 experts, 8 per token, hidden 2048, expert
 intermediate 768, bf16) against a plain torch per-expert loop, at decode and prefill token counts.
 
-    python scripts/bench_moe.py [--tokens 1,8,64,256,4096] [--tp 2] [--sweep]      (GPU)
+    python scripts/bench_moe.py [--tokens 1,8,64,256,4096] [--tp 2] [--sweep [--block-m 16,32]]      (GPU)
 
 Per token count T: the fused path (router GEMM, top-k, align, gate_up, down; one CUDA graph over
 COPIES layers' weights, so every call streams its experts from HBM as in a model) and its stages
@@ -72,12 +72,14 @@ def eager_us(fn, reps: int = 10) -> float:
 
 
 def tile_variants(base: MoeTile, gated: bool, block_m: int):
+    """The table's tile first (and it with TMA weights), then column widths x depths x pipeline depths, the
+    weights by pointers and through TMA descriptors."""
     bns = (32, 64, 128) if gated else (64, 128, 256)
-    out = [base]
-    for bn, bk, stages in itertools.product(bns, (64, 128), (3, 4, 5)):
+    out = [base, base._replace(tma=not base.tma)]
+    for bn, bk, stages, tma in itertools.product(bns, (64, 128), (3, 4), (False, True)):
         rows = 2 * bn if gated else bn
         if (block_m + rows) * bk * 2 * stages <= 200 << 10:  # shared memory per program
-            out.append(MoeTile(bn, bk, 8 if block_m >= 128 else 4, stages))
+            out.append(MoeTile(bn, bk, 8 if block_m >= 128 else 4, stages, tma))
     return list(dict.fromkeys(out))
 
 
@@ -85,7 +87,8 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--tokens", default="1,4,16,64,128,256,512,2048,16384")
     ap.add_argument("--tp", type=int, default=1, help="the expert intermediate size of one of this many ranks")
-    ap.add_argument("--sweep", action="store_true")
+    ap.add_argument("--sweep", action="store_true", help="tile variants at each of --tokens (~1-2 min per count)")
+    ap.add_argument("--block-m", default="", help="with --sweep: row blocks to try beside the table's, e.g. 16,32,64")
     args = ap.parse_args()
     dev, dt = torch.device("cuda"), torch.bfloat16
     inter = INTER // args.tp
@@ -123,15 +126,13 @@ def main():
                      f" TB/s = {layer_bw / bandwidth:.0%} of copy")
         print(line, flush=True)
         if args.sweep:
-            sweep(t, xs, layers, logits, inter, config, parts)
+            sweep(t, xs, layers, logits, inter, config, parts, [int(v) for v in args.block_m.split(",") if v])
 
 
-def sweep(t, xs, layers, logits, inter, config, parts):
-    """Every block_m with its GEMM tile variants; each GEMM's best (block_m shared by both)."""
+def sweep(t, xs, layers, logits, inter, config, parts, block_ms):
+    """The table's block_m (and block_ms) with each GEMM's tile variants; the best pair (block_m is shared)."""
     results = []
-    for block_m in sorted({config.block_m, 16, 32, 64, 128}):
-        if block_m != config.block_m and block_m > max(16, 4 * t * TOP_K / E):
-            continue  # blocks of more than four times an expert's mean rows: mostly padding
+    for block_m in sorted({config.block_m, *block_ms}):
         routings = [route(lg, TOP_K, block_m, True, True) for lg in logits]
         base = config
         best = {}

@@ -90,7 +90,7 @@ for stage in $STAGES; do
     single)  run single python3 bench.py --single --json "$OUTDIR/bench_single.json" ;;
     moe)     run moetests python3 -m pytest tests/kernels/test_moe.py tests/gpu/test_moe_gpu.py -q -p no:cacheprovider --durations=8
              run moekernels python3 scripts/bench_moe.py ;;
-    moesweep) run moesweep python3 scripts/bench_moe.py --sweep --tokens ${MOE_TOKENS:-1,16,64,256,1024,8192} ;;
+    moesweep) run moesweep python3 scripts/bench_moe.py --sweep --tokens ${MOE_TOKENS:-16,256} ;;
     benchmoe) run benchmoe python3 bench.py --config benchmarks/configs/qwen3-30b-a3b.json --json "$OUTDIR/bench_qwen3_30b_a3b.json" ;;
     singlemoe) run singlemoe python3 bench.py --config benchmarks/configs/qwen3-30b-a3b.json --single --json "$OUTDIR/bench_qwen3_30b_a3b_single.json" ;;
     profilemoe) run profilemoe python3 bench.py --config benchmarks/configs/qwen3-30b-a3b.json --profile ;;

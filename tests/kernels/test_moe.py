@@ -85,11 +85,13 @@ def _experts(e, h, inter, dtype, device, gen):
 
 
 def _tiles(t, h, inter, dtype):
-    """The table's tiles (on the CPU: BK past K, so K is masked), and on the CPU tiles whose BK divides K."""
+    """The table's tiles (on the CPU: BK past K, so K is masked) and the same with the weights through TMA
+    descriptors; on the CPU also tiles whose BK divides K, by pointers and by TMA."""
     config = moe_config(t, h, inter, dtype)
-    cases = [(config.block_m, config.gate_up, config.down)]
+    cases = [(config.block_m, config.gate_up, config.down),
+             (config.block_m, config.gate_up._replace(tma=True), config.down._replace(tma=True))]
     if not ON_GPU:
-        cases.append((32, MoeTile(16, 32, 4, 2), MoeTile(32, 16, 4, 2)))
+        cases += [(32, MoeTile(16, 32, 4, 2, tma), MoeTile(32, 16, 4, 2, tma)) for tma in (False, True)]
     return cases
 
 
