@@ -71,6 +71,8 @@ class Config:
             self.max_model_len = min(self.max_model_len, max_pos)
         if self.eos == -1:
             self.eos = _eos_from_config(self.hf_config)
+        from nanovllm.models.registry import check_model_config  # imported on use, like the check below
+        check_model_config(self.hf_config)  # before any process starts (tensor parallelism) or weight loads
         if self.tensor_parallel_size > 1:
             _check_tensor_parallel(self)
 

@@ -118,6 +118,10 @@ class DecoderForCausalLM(nn.Module):
         raise NotImplementedError
 
     @classmethod
+    def check_config(cls, config):
+        """Raise, naming the field, if the config asks for what this model does not implement."""
+
+    @classmethod
     def make_mlp(cls, config, layer_idx: int) -> nn.Module | None:
         """Layer layer_idx's feed-forward block; None: the dense MLP."""
         return None

@@ -19,3 +19,8 @@ def get_model_class(hf_config) -> type[DecoderForCausalLM]:
             return MODEL_REGISTRY[arch]
     raise ValueError(f"unsupported model architecture {archs or '(none in config.json)'}; "
                      f"supported: {', '.join(sorted(MODEL_REGISTRY))}")
+
+
+def check_model_config(hf_config):
+    """Raise, naming the field, before anything is built if this config cannot be served as written."""
+    get_model_class(hf_config).check_config(hf_config)

@@ -52,6 +52,14 @@ def test_unsupported_configs_fail_at_load_naming_the_field(arch, changes, match,
         LLM(model_factory(arch), hf_config=_config(model_factory, arch, **changes), dtype="float32")
 
 
+def test_bad_configs_fail_before_tensor_parallel_workers_start(model_factory):
+    import multiprocessing
+    with pytest.raises(ValueError, match=r"num_experts_per_tok=9: must be in \[1, 8\]"):
+        LLM(model_factory("qwen3_moe"), hf_config=_config(model_factory, "qwen3_moe", num_experts_per_tok=9),
+            tensor_parallel_size=2)
+    assert not multiprocessing.active_children()
+
+
 def test_tensor_parallel_must_divide_the_expert_sizes(model_factory):
     with pytest.raises(ValueError, match="tensor_parallel_size=2 must divide moe_intermediate_size=33"):
         LLM(model_factory("qwen3_moe"), hf_config=_config(model_factory, "qwen3_moe", moe_intermediate_size=33),
