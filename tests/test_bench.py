@@ -127,7 +127,7 @@ def test_bench_moe_roofline_reads_the_routed_experts(tmp_path):
 
 def test_moe_roofline_counts_dense_parts_once_and_experts_per_route():
     sys.path.insert(0, ROOT)
-    from bench import architecture_costs, roofline
+    from benchmarks.roofline import architecture_costs, roofline
     with open(os.path.join(ROOT, "benchmarks/configs/qwen3-30b-a3b.json")) as f:
         cfg = json.load(f)
     costs = architecture_costs(cfg)
