@@ -91,12 +91,15 @@ def _weight_tile(w, expert, row0, k0, rk, K: tl.constexpr, ROWS_PER_EXPERT: tl.c
     K). Rows past the expert's (only in columns the caller does not store) read the neighbours' rows
     (TMA) or wrap onto its own (pointers), so every load stays inside the tensor."""
     if W_TMA:  # w: a descriptor over the weights as [E * ROWS_PER_EXPERT, K]
-        return w.load([(expert * ROWS_PER_EXPERT + row0).to(tl.int32), k0]).T
-    rn = (row0 + tl.arange(0, BN)) % ROWS_PER_EXPERT
-    ptrs = w + expert * stride_we + rn.to(tl.int64)[None, :] * stride_wn + (k0 + rk)[:, None]
-    if K % BK == 0:
-        return tl.load(ptrs)
-    return tl.load(ptrs, mask=(k0 + rk < K)[:, None], other=0.0)
+        tile = w.load([(expert * ROWS_PER_EXPERT + row0).to(tl.int32), k0]).T
+    else:
+        rn = (row0 + tl.arange(0, BN)) % ROWS_PER_EXPERT
+        ptrs = w + expert * stride_we + rn.to(tl.int64)[None, :] * stride_wn + (k0 + rk)[:, None]
+        if K % BK == 0:
+            tile = tl.load(ptrs)
+        else:
+            tile = tl.load(ptrs, mask=(k0 + rk < K)[:, None], other=0.0)
+    return tile
 
 
 @triton.jit(do_not_specialize=["num_valid"])
