@@ -11,7 +11,10 @@ and static shapes, so CUDA graphs capture both kernels.
 - `_moe_topk_kernel` (one program per BT tokens): softmax over the E router logits in fp32, the k
   largest probabilities (ties to the lowest expert id), optionally renormalised to sum to one and
   rounded to the logits' dtype (HF's Qwen routers; Mixtral keeps fp32), and the block's count of
-  pairs per expert.
+  pairs per expert. Given the step's cache slots, a padding row of a CUDA graph (slot -1) takes the
+  experts of its block's first row with weight 0 (expert 0 if that row is padding too): a batch padded
+  up to a captured size reads the weights of no expert its real rows do not need (at 17 rows padded
+  to 32, a third fewer), and the padding rows' output is exactly 0.
 - `_moe_align_kernel` (one program per expert): every expert's total from those counts, the padded
   prefix sum, then its own pairs scattered in order, its padding and its blocks' expert id. Program 0
   writes `num_padded` (and, when recording, the step's number of distinct experts: bench.py's roofline).
@@ -58,9 +61,10 @@ def topk_block(num_tokens: int, num_experts: int) -> int:
 
 
 @triton.jit(do_not_specialize=["T"])
-def _moe_topk_kernel(logits_ptr, weights_ptr, ids_ptr, counts_ptr, T, stride_l,
+def _moe_topk_kernel(logits_ptr, slot_ptr, weights_ptr, ids_ptr, counts_ptr, T, stride_l,
                      E: tl.constexpr, E_POW2: tl.constexpr, TOP_K: tl.constexpr, K_POW2: tl.constexpr,
-                     RENORMALIZE: tl.constexpr, ROUND_WEIGHTS: tl.constexpr, BT: tl.constexpr):
+                     RENORMALIZE: tl.constexpr, ROUND_WEIGHTS: tl.constexpr, HAS_SLOTS: tl.constexpr,
+                     BT: tl.constexpr):
     pdl_prologue()
     pid = tl.program_id(0)
     rows = pid * BT + tl.arange(0, BT)
@@ -78,20 +82,28 @@ def _moe_topk_kernel(logits_ptr, weights_ptr, ids_ptr, counts_ptr, T, stride_l,
     slots = tl.arange(0, K_POW2)
     top_w = tl.zeros([BT, K_POW2], tl.float32)
     top_i = tl.zeros([BT, K_POW2], tl.int32)
-    counts = tl.zeros([E_POW2], tl.int32)
     for j in tl.static_range(TOP_K):
         best = tl.max(p, axis=1)
         pick = tl.min(tl.where(p == best[:, None], cols[None, :], E_POW2), axis=1)
         pick = tl.minimum(pick, E - 1)  # a NaN row matches nothing: keep its ids in range
-        chosen = cols[None, :] == pick[:, None]
-        counts += tl.sum((chosen & row_ok[:, None]).to(tl.int32), axis=0)
         top_w = tl.where(slots[None, :] == j, best[:, None], top_w)
         top_i = tl.where(slots[None, :] == j, pick[:, None], top_i)
-        p = tl.where(chosen, -1.0, p)
+        p = tl.where(cols[None, :] == pick[:, None], -1.0, p)
     if RENORMALIZE:
         top_w = tl.div_rn(top_w, tl.broadcast_to(tl.sum(top_w, axis=1)[:, None], [BT, K_POW2]))  # zeros past TOP_K
     if ROUND_WEIGHTS:
         top_w = top_w.to(logits_ptr.dtype.element_ty).to(tl.float32)
+    if HAS_SLOTS:
+        pad = row_ok & (tl.load(slot_ptr + rows, mask=row_ok, other=0) < 0)
+        first = tl.arange(0, BT) == 0
+        lead = tl.sum(tl.where(first[:, None], top_i, 0), axis=0)  # the block's first row's experts
+        lead = tl.where(tl.sum((first & pad).to(tl.int32), axis=0) > 0, 0, lead)
+        top_i = tl.where(pad[:, None], lead[None, :], top_i)
+        top_w = tl.where(pad[:, None], 0.0, top_w)
+    counts = tl.zeros([E_POW2], tl.int32)
+    for j in tl.static_range(TOP_K):
+        expert = tl.sum(tl.where(slots[None, :] == j, top_i, 0), axis=1)
+        counts += tl.sum(((cols[None, :] == expert[:, None]) & row_ok[:, None]).to(tl.int32), axis=0)
     out = rows.to(tl.int64)[:, None] * TOP_K + slots[None, :]
     mask = row_ok[:, None] & (slots < TOP_K)[None, :]
     tl.store(weights_ptr + out, top_w, mask=mask)
@@ -142,10 +154,11 @@ def _moe_align_kernel(ids_ptr, counts_ptr, sorted_ptr, block_expert_ptr, num_pad
 
 
 def route(logits: torch.Tensor, top_k: int, block_m: int, renormalize: bool, round_weights: bool,
-          stats: tuple[torch.Tensor, torch.Tensor] | None = None) -> Routing:
+          stats: tuple[torch.Tensor, torch.Tensor] | None = None, slots: torch.Tensor | None = None) -> Routing:
     """Top-k routing of logits [T, E] and the pairs sorted by expert into BM-row blocks. stats:
     (distinct [ring] int32, step [1] int32) to record the step's number of distinct experts at
-    distinct[step % ring] and count the step (layers/fused_moe.RoutingStats)."""
+    distinct[step % ring] and count the step (layers/fused_moe.RoutingStats). slots: the step's
+    [T] cache slots, -1 on padding rows (routed to the experts of a real row, with weight 0)."""
     t, e = logits.shape
     assert logits.stride(-1) == 1 and 1 <= top_k <= e <= MAX_EXPERTS, (logits.shape, top_k)
     device = logits.device
@@ -163,10 +176,11 @@ def route(logits: torch.Tensor, top_k: int, block_m: int, renormalize: bool, rou
     if t == 0:
         num_padded.zero_()
         return Routing(weights, ids, sorted_ids, block_expert, num_padded, block_m)
+    assert slots is None or slots.shape == (t,), (None if slots is None else slots.shape, t)
     _moe_topk_kernel[(num_tblocks,)](
-        logits, weights, ids, counts, t, logits.stride(0),
+        logits, logits if slots is None else slots, weights, ids, counts, t, logits.stride(0),
         E=e, E_POW2=e_pow2, TOP_K=top_k, K_POW2=triton.next_power_of_2(top_k), RENORMALIZE=renormalize,
-        ROUND_WEIGHTS=round_weights, BT=bt, num_warps=4, **PDL_LAUNCH)
+        ROUND_WEIGHTS=round_weights, HAS_SLOTS=slots is not None, BT=bt, num_warps=4, **PDL_LAUNCH)
     block = min(4096, max(triton.next_power_of_2(n), 128))
     recording = stats is not None
     distinct, step = stats if recording else (num_padded, num_padded)  # unused pointers when not recording

@@ -113,10 +113,12 @@ class SparseMoeBlock(nn.Module):
             self.shared_expert_gate = ReplicatedLinear(hidden_size, 1)
         self.routing_stats = RoutingStats.create() if record_routing() else None
 
-    def forward(self, x: torch.Tensor):
+    def forward(self, x: torch.Tensor, meta=None):
+        """meta: the step's AttentionMetadata; on the GPU its slot_mapping tells a CUDA graph's padding
+        rows (slot -1), which then read no expert that a real row does not."""
         logits = self.gate(x)  # [T, E] in the activation dtype
         if x.is_cuda:
-            return self._forward_kernels(x, logits)
+            return self._forward_kernels(x, logits, None if meta is None else meta.slot_mapping)
         weights, ids = self.route_torch(logits)
         if self.routing_stats is not None:
             self.routing_stats.record(ids)
@@ -147,14 +149,14 @@ class SparseMoeBlock(nn.Module):
         return out
 
     # ---- GPU: Triton kernels ------------------------------------------------------------
-    def _forward_kernels(self, x: torch.Tensor, logits: torch.Tensor):
+    def _forward_kernels(self, x: torch.Tensor, logits: torch.Tensor, slots: torch.Tensor | None = None):
         from nanovllm.kernels.gemm import SplitKOutput
         from nanovllm.kernels.moe_gemm import moe_config, moe_down, moe_gate_up, parts_dtype
         from nanovllm.kernels.moe_routing import route
         t, h = x.shape
         config = moe_config(t, h, self.experts.intermediate_size, x.dtype)
         routing = route(logits, self.top_k, config.block_m, self.renormalize, self.round_weights,
-                        self.routing_stats)
+                        self.routing_stats, slots)
         act = moe_gate_up(x, self.experts.w13, routing, config.gate_up)
         num_parts = self.top_k + (self.shared_expert is not None)
         parts = torch.empty(num_parts, t, h, dtype=parts_dtype(t, h, num_parts, x.dtype), device=x.device)

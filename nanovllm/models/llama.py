@@ -63,7 +63,7 @@ class DecoderMLP(nn.Module):
         self.gate_up_proj = MergedColumnParallelLinear(config.hidden_size, [inter, inter], bias)
         self.down_proj = RowParallelLinear(inter, config.hidden_size, bias)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, meta: AttentionMetadata | None = None) -> torch.Tensor:
         # Consumed by the next residual-add RMSNorm (next layer's or the final one).
         return self.down_proj(self.gate_up_proj.swiglu(x), partials_ok=True)
 
@@ -84,7 +84,8 @@ class DecoderLayer(nn.Module):
             x, residual = self.input_layernorm(x, residual)
         x = self.self_attn(positions, x, meta)
         x, residual = self.post_attention_layernorm(x, residual)
-        return self.mlp(x), residual
+        # The step's metadata too: an MoE block routes a CUDA graph's padding rows (slot -1) cheaply.
+        return self.mlp(x, meta), residual
 
 
 class DecoderModel(nn.Module):

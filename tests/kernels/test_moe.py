@@ -68,6 +68,33 @@ def test_routing_with_other_expert_counts(e, k, device, gen):
     assert torch.equal(routing.block_expert[:num_padded // 16].cpu(), block_expert)
 
 
+def test_padding_rows_take_a_real_rows_experts_with_weight_zero(device, gen):
+    """A CUDA graph's padding rows (cache slot -1): the experts of their top-k block's first row (expert 0
+    for a block of padding only), weight 0; the real rows' routing and the alignment are unchanged."""
+    e, k, h, inter = SHAPE
+    t, real = 40, 30  # top-k blocks of 16 rows: [0, 16) real, [16, 32) from row 16 on, [32, 40) padding only
+    logits = torch.stack([torch.randperm(e, generator=gen) for _ in range(t)]).sub(e / 2).div(16).to(device)
+    slots = torch.where(torch.arange(t) < real, torch.arange(t) * 3, -1).to(device)
+    routing = route(logits, k, 16, True, True, None, slots)
+    weights, ids = ref.moe_topk(logits, k, True, True)
+    assert torch.equal(routing.ids[:real], ids[:real])
+    torch.testing.assert_close(routing.weights[:real], weights[:real], atol=1e-6, rtol=1e-5)
+    assert (routing.ids[real:32] == ids[16]).all() and (routing.ids[32:] == 0).all()
+    assert (routing.weights[real:] == 0).all()
+    sorted_ids, block_expert, num_padded = ref.moe_align(routing.ids.cpu(), e, 16)
+    assert int(routing.num_padded) == num_padded
+    assert torch.equal(routing.sorted_ids[:num_padded].cpu(), sorted_ids)
+    assert torch.equal(routing.block_expert[:num_padded // 16].cpu(), block_expert)
+    dtype = GEMM_DTYPES[0]
+    x = torch.randn(t, h, generator=gen).to(device, dtype)
+    w13, w2 = _experts(e, h, inter, dtype, device, gen)
+    config = moe_config(t, h, inter, dtype)
+    routing = route(logits.to(dtype), k, config.block_m, True, True, None, slots)
+    parts = moe_down(moe_gate_up(x, w13, routing, config.gate_up), w2, routing, config.down,
+                     torch.full((k, t, h), float("nan"), device=device))
+    assert (parts[:, real:] == 0).all() and not parts[:, :real].isnan().any()
+
+
 def test_align_records_distinct_experts(device, gen):
     e, k, _, _ = SHAPE
     distinct, step = torch.zeros(4, dtype=torch.int32, device=device), torch.zeros(1, dtype=torch.int32, device=device)
