@@ -5,6 +5,10 @@
     python bench.py --model /path/to/Qwen3-0.6B        # real weights
     python bench.py --single              # one request: 128-token prompt, 512 new tokens, greedy
     python bench.py --structured json     # also every request under one JSON schema (benchmarks/structured.py)
+    python bench.py --config benchmarks/configs/qwen3-8b.json --quantization fp8   # a Qwen3-8B-FP8 user's case
+    python bench.py --kv-cache-dtype fp8  # the KV cache in float8_e4m3fn
+    python bench.py --config benchmarks/configs/qwen3-30b-a3b.json   # a mixture of experts: the roofline
+                                          # reads the weights of the experts each step routed to
 
 Workload (nano-vllm's bench.py): random.seed(0); 256 prompts of randint(100, 1024) random token
 ids in [0, 10000], then max_tokens randint(100, 1024) each; temperature 0.6, ignore_eos. One
@@ -24,6 +28,7 @@ from operator import add
 import torch
 
 from benchmarks.diagnostics import ClockTrace, GcPauses, log_triton_compiles, print_segment_allocs, profile_run
+from benchmarks.roofline import RoutingRecord, architecture_costs, roofline
 from nanovllm import LLM, SamplingParams
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -34,6 +39,22 @@ def workload(num_seqs: int, max_input: int, max_output: int):
     prompts = [[random.randint(0, 10000) for _ in range(random.randint(100, max_input))] for _ in range(num_seqs)]
     max_tokens = [random.randint(100, max_output) for _ in range(num_seqs)]
     return prompts, max_tokens
+
+
+def measure_fp8_matmul(device: torch.device) -> float:
+    """FP8 matmul FLOP/s: torch._scaled_mm on 8192^3 float8_e4m3fn with per-tensor scales (the library's
+    best FP8 rate), median of repeats; nan where there is none."""
+    if device.type != "cuda" or torch.cuda.get_device_capability(device) < (8, 9):
+        return float("nan")
+    import triton.testing
+    a = torch.randn(8192, 8192, device=device).to(torch.float8_e4m3fn)
+    b = torch.randn(8192, 8192, device=device).to(torch.float8_e4m3fn)
+    one = torch.ones((), device=device)
+    ms = triton.testing.do_bench(lambda: torch._scaled_mm(a, b.t(), scale_a=one, scale_b=one, out_dtype=torch.bfloat16),
+                                 warmup=50, rep=300, return_mode="median")
+    del a, b
+    torch.cuda.empty_cache()
+    return 2 * 8192 ** 3 / (ms * 1e-3)
 
 
 def measure_device(device: torch.device) -> tuple[float, float]:
@@ -93,36 +114,6 @@ class ScheduleRecorder:
         return out
 
 
-def roofline(cfg, steps, bandwidth: float, flops: float, dtype_bytes: int = 2) -> dict:
-    """Ideal time of the recorded schedule: bytes every step must move over the measured bandwidth,
-    plus prefill FLOPs over the measured matmul rate."""
-    h, layers, vocab = cfg["hidden_size"], cfg["num_hidden_layers"], cfg["vocab_size"]
-    heads, kv_heads = cfg["num_attention_heads"], cfg.get("num_key_value_heads", cfg["num_attention_heads"])
-    d = cfg.get("head_dim") or h // heads
-    inter = cfg["intermediate_size"]
-    layer_params = h * (heads + 2 * kv_heads) * d + heads * d * h + 3 * h * inter
-    weight_bytes = (layers * layer_params + vocab * h) * dtype_bytes  # every layer + the LM head
-    kv_token_bytes = 2 * layers * kv_heads * d * dtype_bytes
-    decode_bytes = prefill_flops = 0.0
-    step_ideal = []
-    for num_decodes, new, ctx, computed in steps:
-        # Memory: weights once per step, plus the KV every decode row reads.
-        step_bytes = weight_bytes + kv_token_bytes * sum(ctx[:num_decodes])
-        step_flops = 0.0
-        for n, start in zip(new[num_decodes:], computed[num_decodes:]):
-            step_flops += 2 * layer_params * layers * n
-            # causal attention: QK^T and PV over each new token's context
-            step_flops += 4 * layers * heads * d * (n * start + n * (n + 1) / 2)
-        decode_bytes += step_bytes
-        prefill_flops += step_flops
-        step_ideal.append(step_bytes / bandwidth + step_flops / flops)
-    t_mem = decode_bytes / bandwidth
-    t_compute = prefill_flops / flops
-    return {"weight_bytes_per_step": weight_bytes, "kv_bytes_per_token": kv_token_bytes,
-            "bytes_moved": decode_bytes, "prefill_flops": prefill_flops,
-            "ideal_time_s": t_mem + t_compute, "steps": len(steps), "step_ideal_s": step_ideal}
-
-
 def step_walls(times: list[float], end: float) -> list[float]:
     """Each step's wall time: the gap between its scheduling and the next step's (or the run's end)."""
     return [b - a for a, b in zip(times, times[1:] + [end])]
@@ -133,8 +124,9 @@ def prefill_walls(steps, walls) -> list[float]:
     return [w for (num_decodes, new, _, _), w in zip(steps, walls) if len(new) > num_decodes]
 
 
-def step_breakdown(steps, times, end: float, step_ideal) -> list[dict]:
-    """Wall time against ideal time, by kind of step: where the run loses to the roofline."""
+def step_breakdown(steps, times, end: float, step_ideal, experts_per_layer: list[float] | None = None) -> list[dict]:
+    """Wall time against ideal time, by kind of step: where the run loses to the roofline (and, for a
+    mixture of experts, the mean number of experts a layer routed to in those steps)."""
     bins = [("prefill/mixed", lambda nd, n: n > nd), ("decode 1-15", lambda nd, n: n == nd < 16),
             ("decode 16-63", lambda nd, n: n == nd and 16 <= nd < 64),
             ("decode 64-127", lambda nd, n: n == nd and 64 <= nd < 128),
@@ -146,6 +138,8 @@ def step_breakdown(steps, times, end: float, step_ideal) -> list[dict]:
         wall, ideal = sum(walls[i] for i in idx), sum(step_ideal[i] for i in idx)
         rows.append({"steps": name, "count": len(idx), "wall_s": wall, "ideal_s": ideal,
                      "wall_ms_per_step": 1e3 * wall / max(len(idx), 1), "ideal_ms_per_step": 1e3 * ideal / max(len(idx), 1)})
+        if experts_per_layer is not None:
+            rows[-1]["experts_per_layer"] = sum(experts_per_layer[i] for i in idx) / max(len(idx), 1)
     return rows
 
 
@@ -179,6 +173,10 @@ def main():
     ap.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
     ap.add_argument("--device", default="auto")
     ap.add_argument("--dtype", default="auto")
+    ap.add_argument("--quantization", choices=["fp8"], default=None,
+                    help="fp8: block-FP8 weights (an FP8 checkpoint's format; random or plain weights are quantized "
+                         "to it at load)")
+    ap.add_argument("--kv-cache-dtype", default="auto", help="auto (the model dtype) or fp8 (float8_e4m3fn)")
     ap.add_argument("--top-p", type=float, default=1.0,
                     help="sampling filter to price (default: off; with --single the request then samples at 0.6)")
     ap.add_argument("--top-k", type=int, default=-1)
@@ -208,17 +206,25 @@ def main():
     args = ap.parse_args()
 
     path, cfg, load_format = model_dir(args)
+    moe = architecture_costs(cfg)["sparse_layers"] > 0
+    if moe:  # the MoE layers count the experts they route to (device-side), for the roofline
+        os.environ["NANOVLLM_RECORD_ROUTING"] = "1"
     # Before the engine exists: the measurement's buffers are freed and its cache emptied, which would
     # otherwise also drop the activation memory the engine keeps in the allocator.
     want = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
     bandwidth, flops = measure_device(torch.device(want))
+    fp8_weights = args.quantization == "fp8" or (cfg.get("quantization_config") or {}).get("quant_method") == "fp8"
+    fp8_flops = measure_fp8_matmul(torch.device(want)) if fp8_weights else float("nan")
     engine_start = time.perf_counter()
     memory = {} if args.gpu_memory_utilization is None else {"gpu_memory_utilization": args.gpu_memory_utilization}
     llm = LLM(path, enforce_eager=args.enforce_eager, max_model_len=args.max_model_len, load_format=load_format,
-              device=args.device, dtype=args.dtype, tensor_parallel_size=args.tensor_parallel_size, **memory)
+              device=args.device, dtype=args.dtype, tensor_parallel_size=args.tensor_parallel_size,
+              quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype, **memory)
     device = llm.config.device
+    quant = llm.config.quant_config.name if llm.config.quant_config is not None else None
     print(f"num_kvcache_blocks={llm.config.num_kvcache_blocks} block_size={llm.config.kvcache_block_size} "
-          f"dtype={llm.config.torch_dtype} device={device} start-up={time.perf_counter() - engine_start:.1f}s")
+          f"dtype={llm.config.torch_dtype} quantization={quant} kv_cache_dtype={llm.config.kv_cache_torch_dtype} "
+          f"device={device} start-up={time.perf_counter() - engine_start:.1f}s")
 
     if args.single:
         random.seed(0)
@@ -236,6 +242,9 @@ def main():
     if args.log_compiles:
         log_triton_compiles()
     recorder = ScheduleRecorder(llm.engine.scheduler)
+    routing = RoutingRecord(llm) if moe else None
+    if routing is not None:
+        routing.start()  # reads the device: before the clock starts
     if device.type == "cuda":
         torch.cuda.synchronize()
         before = torch.cuda.memory_stats()
@@ -246,6 +255,8 @@ def main():
     start, start_unix = time.perf_counter(), time.time()
     outputs = llm.generate(prompts, params, use_tqdm=False)
     elapsed = time.perf_counter() - start
+    if routing is not None:
+        routing.stop()
     if clocks is not None:
         clocks.stop()
     gc.callbacks.remove(gc_pauses.callback)
@@ -283,19 +294,33 @@ def main():
     dtype_bytes = torch.tensor([], dtype=llm.config.torch_dtype).element_size()
     # Tensor parallelism: each rank moves and computes its shard, so the ideal is the ranks' sum.
     tp = args.tensor_parallel_size
-    roof = roofline(cfg, steps, bandwidth * tp, flops * tp, dtype_bytes)
+    kv_bytes = torch.tensor([], dtype=llm.config.kv_cache_torch_dtype).element_size()
+    routed = routing.per_step() if routing is not None else None
+    if moe and (routed is None or len(routed) != len(steps)):
+        print(f"routing record: {None if routed is None else len(routed)} forward passes for {len(steps)} steps; "
+              "the roofline counts every expert in every step")
+        routed = None
+    costs = architecture_costs(cfg, dtype_bytes, fp8_weights=quant == "fp8", kv_dtype_bytes=kv_bytes)
+    roof = roofline(cfg, steps, bandwidth * tp, flops * tp, dtype_bytes, routed, fp8_weights=quant == "fp8",
+                    kv_dtype_bytes=kv_bytes, fp8_flops=fp8_flops * tp)
     ideal_tput = out_tokens / roof["ideal_time_s"]
     result = {
         "mode": "single" if args.single else "throughput", "model": args.model or os.path.basename(args.config),
         "prompts": len(prompts), "prompt_tokens": sum(map(len, prompts)), "output_tokens": out_tokens,
         "time_s": elapsed, "throughput_tok_s": throughput, "steps": roof["steps"],
+        "quantization": quant, "kv_cache_dtype": str(llm.config.kv_cache_torch_dtype),
         "measured_bandwidth_TBps": bandwidth / 1e12, "measured_matmul_TFLOPs": flops / 1e12,
+        "measured_fp8_matmul_TFLOPs": fp8_flops / 1e12,
         "ideal_time_s": roof["ideal_time_s"], "roofline_tok_s": ideal_tput,
         "fraction_of_roofline": throughput / ideal_tput, "enforce_eager": args.enforce_eager,
         "tensor_parallel_size": args.tensor_parallel_size,
         "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-        "breakdown": step_breakdown(steps, times, start + elapsed, roof["step_ideal_s"]),
+        "breakdown": step_breakdown(steps, times, start + elapsed, roof["step_ideal_s"],
+                                    None if routed is None else [r / costs["sparse_layers"] for r in routed]),
     }
+    if routed is not None:
+        result["expert_bytes_read"] = sum(routed) * costs["expert_bytes"]
+        result["mean_experts_per_layer"] = sum(routed) / len(routed) / costs["sparse_layers"]
     if args.structured:
         result["structured"] = structured_result
     if args.steps_json:
@@ -304,14 +329,21 @@ def main():
             json.dump([{"decode_rows": nd, "tokens": sum(new), "wall_ms": 1e3 * w, "ideal_ms": 1e3 * ideal}
                        for (nd, new, _, _), w, ideal in zip(steps, walls, roof["step_ideal_s"])], f)
     print(f"Total: {out_tokens} tok, Time: {elapsed:.2f}s, Throughput: {throughput:,.0f} tok/s")
-    print(f"Roofline (measured {bandwidth / 1e12:.2f} TB/s, {flops / 1e12:.0f} TFLOP/s" + (f" per GPU x {tp}" if tp > 1 else "")
+    fp8_rate = f", FP8 {fp8_flops / 1e12:.0f} TFLOP/s" if fp8_flops == fp8_flops else ""  # not nan
+    print(f"Roofline (measured {bandwidth / 1e12:.2f} TB/s, {flops / 1e12:.0f} TFLOP/s{fp8_rate}"
+          + (f" per GPU x {tp}" if tp > 1 else "")
           + f", {roof['steps']} steps): "
           f"ideal {roof['ideal_time_s']:.2f}s = {ideal_tput:,.0f} tok/s; achieved {throughput / ideal_tput:.1%}")
     print(f"  before the first step {1e3 * (times[0] - start):.1f} ms; prefill/mixed step walls (ms): " + " ".join(
         f"{1e3 * w:.1f}" for w in prefill_walls(steps, step_walls(times, start + elapsed))))
+    if routed is not None:
+        print(f"  routed experts: {result['mean_experts_per_layer']:.1f} of {costs['num_experts']} per "
+              f"layer and step on average, {result['expert_bytes_read'] / 1e9:.1f} GB of expert weights in the ideal")
     for row in result["breakdown"]:
+        experts = f", {row['experts_per_layer']:.1f} experts/layer" if "experts_per_layer" in row else ""
         print(f"  {row['steps']:>14}: {row['count']:5d} steps, wall {row['wall_s']:.3f}s "
-              f"({row['wall_ms_per_step']:.2f} ms/step), ideal {row['ideal_s']:.3f}s ({row['ideal_ms_per_step']:.2f} ms/step)")
+              f"({row['wall_ms_per_step']:.2f} ms/step), ideal {row['ideal_s']:.3f}s ({row['ideal_ms_per_step']:.2f} ms/step)"
+              + experts)
     if clocks is not None:
         unix = lambda t: start_unix + (t - start)  # noqa: E731
         first_decode = next((times[i] for i, (nd, new, _, _) in enumerate(steps) if len(new) == nd), start + elapsed)
@@ -327,7 +359,7 @@ def main():
         with open(args.json, "w") as f:
             json.dump(result, f, indent=1)
     if args.profile and device.type == "cuda":
-        profile_run(llm, [[(t + 1) % 10000 for t in p] for p in prompts], params, trace=args.trace)
+        profile_run(llm, [[(t + 1) % 10000 for t in p] for p in prompts], params, trace=args.trace, steps=len(steps))
     llm.shutdown()
 
 

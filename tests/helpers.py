@@ -3,7 +3,8 @@ import os
 
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-from transformers import AutoModelForCausalLM, LlamaConfig, PreTrainedTokenizerFast, Qwen2Config, Qwen3Config
+from transformers import (AutoModelForCausalLM, LlamaConfig, MixtralConfig, PreTrainedTokenizerFast, Qwen2Config,
+                          Qwen2MoeConfig, Qwen3Config, Qwen3MoeConfig)
 
 CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
           "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
@@ -67,6 +68,26 @@ ARCHS = {
     "llama_mha": lambda: LlamaConfig(vocab_size=512, hidden_size=64, intermediate_size=96, num_hidden_layers=3,
                                      num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=1024,
                                      tie_word_embeddings=True),
+    # Mixtures of experts. Qwen3-MoE: 8 experts, 2 per token, renormalised; layer 1 dense (mlp_only_layers).
+    "qwen3_moe": lambda: Qwen3MoeConfig(vocab_size=512, hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
+                                        num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+                                        num_experts=8, num_experts_per_tok=2, norm_topk_prob=True, mlp_only_layers=[1],
+                                        max_position_embeddings=1024, tie_word_embeddings=False, rope_theta=1000000.0),
+    # Not renormalised, 3 of 6 experts, only every second layer sparse (decoder_sparse_step); tied.
+    "qwen3_moe_sparse2": lambda: Qwen3MoeConfig(vocab_size=512, hidden_size=64, intermediate_size=96,
+                                                moe_intermediate_size=48, num_hidden_layers=4, num_attention_heads=4,
+                                                num_key_value_heads=2, head_dim=16, num_experts=6, num_experts_per_tok=3,
+                                                norm_topk_prob=False, decoder_sparse_step=2,
+                                                max_position_embeddings=1024, tie_word_embeddings=True),
+    # Mixtral: 4 experts, 2 per token, routing weights kept in fp32.
+    "mixtral": lambda: MixtralConfig(vocab_size=512, hidden_size=64, intermediate_size=64, num_hidden_layers=2,
+                                     num_attention_heads=4, num_key_value_heads=2, num_local_experts=4,
+                                     num_experts_per_tok=2, max_position_embeddings=1024, tie_word_embeddings=False),
+    # Qwen2-MoE: qkv bias, a sigmoid-gated shared expert beside 6 routed experts.
+    "qwen2_moe": lambda: Qwen2MoeConfig(vocab_size=512, hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
+                                        shared_expert_intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+                                        num_key_value_heads=2, num_experts=6, num_experts_per_tok=2,
+                                        max_position_embeddings=1024, tie_word_embeddings=False),
 }
 
 
@@ -215,3 +236,51 @@ def script_model(engine, token_ids: list[int]):
         logits[torch.arange(len(pos)), script.to(logits.device)[pos]] += 1000.0
         return inner(logits, meta)
     sampler.sample = sample
+
+
+# ---- block-FP8 checkpoints ---------------------------------------------------------------------
+FP8_QUANTIZATION_CONFIG = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                           "weight_block_size": [128, 128]}
+# A tiny Qwen3 whose linears quantize into 128x128 blocks, with partial blocks at the hidden size's
+# edges (200 = 128 + 72). Fused partitions fill whole blocks (q 4x128, k/v 2x128, gate/up 256), also
+# per rank under tensor_parallel_size=2 (vLLM's rule for block-quantized shards).
+FP8_QWEN3 = dict(vocab_size=512, hidden_size=200, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, head_dim=128, max_position_embeddings=1024, tie_word_embeddings=False,
+                 rope_theta=10000.0)
+_FP8_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def make_fp8_model(path: str, ref_path: str, seed: int = 0, kv_scales: dict | None = None, **overrides) -> str:
+    """A random Qwen3 written as a block-FP8 checkpoint at `path` (float8 weights + weight_scale_inv,
+    quantization_config in config.json, a tokenizer), and the same model with those weights dequantized
+    (weight * scale, fp32) as a plain checkpoint at `ref_path`, HF transformers' reference.
+    kv_scales: optional extra tensors (e.g. `model.layers.0.self_attn.k_scale`) for the FP8 checkpoint."""
+    import json
+
+    from safetensors.torch import save_file
+
+    from nanovllm.layers.quantization.fp8 import dequantize_weight_blocks, quantize_weight_blocks
+    config = Qwen3Config(**{**FP8_QWEN3, **overrides})
+    config.initializer_range = 0.25
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    tok = make_tokenizer(path)
+    model.config.eos_token_id = model.generation_config.eos_token_id = tok.eos_token_id
+    tensors = {}
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.rsplit(".", 2)[-2] in _FP8_PROJECTIONS:
+                q, scale = quantize_weight_blocks(param)
+                param.copy_(dequantize_weight_blocks(q, scale))
+                tensors[name], tensors[name + "_scale_inv"] = q, scale
+            else:
+                tensors[name] = param.detach().clone()
+    tensors.update(kv_scales or {})
+    model.save_pretrained(ref_path, safe_serialization=True)
+    save_file(tensors, os.path.join(path, "model.safetensors"))
+    with open(os.path.join(ref_path, "config.json")) as f:
+        cfg = json.load(f)
+    cfg["quantization_config"] = dict(FP8_QUANTIZATION_CONFIG)
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(cfg, f)
+    return path

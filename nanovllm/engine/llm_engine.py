@@ -3,6 +3,8 @@ import gc
 import random
 import time
 
+import torch
+
 from nanovllm.config import Config
 from nanovllm.engine.block_manager import BlockManager
 from nanovllm.engine.output_processor import OutputProcessor
@@ -15,6 +17,15 @@ from nanovllm.spec_decode.speculator import build_speculator
 from nanovllm.structured_output.manager import StructuredOutputs
 
 logger = init_logger(__name__)
+
+
+def _kv_cache_note(config: Config) -> str:
+    """The start-up log's word on a KV cache that is not in the model dtype."""
+    kv = config.kv_cache_torch_dtype
+    if kv == config.torch_dtype:
+        return ""
+    ratio = torch.tensor([], dtype=config.torch_dtype).element_size() / torch.tensor([], dtype=kv).element_size()
+    return f", kv_cache_dtype={config.kv_cache_dtype} ({kv}: {ratio:g}x the tokens of a {config.torch_dtype} cache)"
 
 
 class LLMEngine:
@@ -33,10 +44,10 @@ class LLMEngine:
                 f"the KV cache holds {num_blocks} blocks of {config.kvcache_block_size} tokens, fewer than "
                 f"max_model_len={config.max_model_len}: lower max_model_len or give the cache more memory "
                 "(num_kvcache_blocks, kv_cache_memory_bytes or gpu_memory_utilization)")
-        logger.info("num_kvcache_blocks=%d (%d tokens of %d per block, %.2f GiB), max_model_len=%d, device=%s, dtype=%s",
+        logger.info("num_kvcache_blocks=%d (%d tokens of %d per block, %.2f GiB), max_model_len=%d, device=%s, dtype=%s%s",
                     num_blocks, num_blocks * config.kvcache_block_size, config.kvcache_block_size,
                     num_blocks * self.model_runner.block_bytes / 2**30, config.max_model_len, config.device,
-                    config.torch_dtype)
+                    config.torch_dtype, _kv_cache_note(config))
         self.block_manager = BlockManager(num_blocks, config.kvcache_block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(config.max_num_seqs, config.max_num_batched_tokens, self.block_manager,
                                    config.max_model_len)

@@ -54,6 +54,8 @@ def copy_kv_prefixes(kv_cache: torch.Tensor, copies: torch.Tensor, max_tokens: i
     if num_copies == 0 or max_tokens <= 0:
         return
     assert max_tokens <= block_size
+    if kv_cache.element_size() == 1:  # an FP8 cache: its bytes, never a conversion
+        kv_cache = kv_cache.view(torch.uint8)
     token_elems = num_kv_heads * head_dim
     block_e = triton.next_power_of_2(token_elems)
     block_t = max(1, min(triton.next_power_of_2(block_size), 8192 // block_e))

@@ -1,5 +1,6 @@
 """Plain-torch reference implementations of the paged-attention kernels (slow, for tests),
-plus a helper that builds random paged caches with shuffled block tables."""
+plus a helper that builds random paged caches with shuffled block tables, and of the
+mixture-of-experts kernels (routing, alignment by expert, the grouped GEMMs)."""
 
 import torch
 import torch.nn.functional as F
@@ -117,3 +118,103 @@ def random_paged_kv(seq_lens, num_kv_heads, head_dim, block_size, dtype, device,
         k_cache.view(-1, num_kv_heads, head_dim)[unused] = float("nan")
         v_cache.view(-1, num_kv_heads, head_dim)[unused] = float("nan")
     return k_cache, v_cache, block_tables.to(device)
+
+
+# ---- block FP8 ---------------------------------------------------------------------------------
+FP8_MAX = 448.0
+
+
+def per_token_group_quant_fp8(x: torch.Tensor, group: int = 128, eps: float = 1e-10):
+    """Reference of ``kernels.fp8_quant.per_token_group_quant``: x [M, K] -> (float8_e4m3fn [M, K],
+    fp32 scales [M, ceil(K / group)]) with x ~= q * scale per group of `group` columns."""
+    m, k = x.shape
+    groups = -(-k // group)
+    xg = F.pad(x.float(), (0, groups * group - k)).view(m, groups, group)
+    scale = xg.abs().amax(-1).clamp_min(eps) / FP8_MAX
+    q = (xg / scale[..., None]).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    return q.view(m, groups * group)[:, :k], scale
+
+
+def dequantize_groups(q: torch.Tensor, scale: torch.Tensor, group: int = 128) -> torch.Tensor:
+    """q [M, K] fp8 with scales [M, ceil(K / group)] -> fp32 [M, K]."""
+    return q.float() * scale.repeat_interleave(group, dim=1)[:, :q.shape[1]]
+
+
+def dequantize_blocks(w: torch.Tensor, scale: torch.Tensor, block: tuple[int, int] = (128, 128)) -> torch.Tensor:
+    """w [N, K] fp8 with scales [ceil(N / bn), ceil(K / bk)] -> fp32 [N, K]."""
+    n, k = w.shape
+    s = scale.repeat_interleave(block[0], dim=0)[:n].repeat_interleave(block[1], dim=1)[:, :k]
+    return w.float() * s
+
+
+def w8a8_block_matmul(q: torch.Tensor, q_scale: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor,
+                      out_dtype: torch.dtype) -> torch.Tensor:
+    """Reference of the block-scaled FP8 GEMMs: dequantize both operands, multiply in fp32.
+    q [M, K] fp8, q_scale [M, ceil(K/128)]; w [N, K] fp8, w_scale [ceil(N/128), ceil(K/128)]."""
+    return (dequantize_groups(q, q_scale) @ dequantize_blocks(w, w_scale).T).to(out_dtype)
+
+
+def quantize_kv_fp8(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """What an FP8 KV cache stores for x [T, Hkv, D] (in the activation dtype) with per-head scales
+    [Hkv]: x / scale, clamped, rounded to float8_e4m3fn."""
+    return (x.float() / scale.float()[:, None]).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+
+
+def dequantize_kv_cache(cache: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """An FP8 cache [blocks, block_size, Hkv, D] as the attention kernels read it: cache * scale, in dtype."""
+    return (cache.float() * scale.float()[:, None]).to(dtype)
+
+
+# ---- mixture of experts (kernels/moe_routing.py, kernels/moe_gemm.py) -------------------------
+def moe_topk(logits, top_k, renormalize, round_weights):
+    """Reference of the top-k kernel: (weights [T, k] fp32, ids [T, k] int32)."""
+    probs = torch.softmax(logits.float(), dim=-1)
+    weights, ids = torch.topk(probs, top_k, dim=-1)
+    if renormalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    if round_weights:
+        weights = weights.to(logits.dtype).float()
+    return weights, ids.int()
+
+
+def moe_align(ids, num_experts, block_m):
+    """Reference of the align kernel: (sorted_ids, block_expert, num_padded) over the used entries:
+    each expert's flat pair ids in ascending order, padded with T * k to a multiple of block_m."""
+    flat = ids.flatten().long()
+    n = flat.numel()
+    sorted_ids, block_expert = [], []
+    for e in range(num_experts):
+        pairs = (flat == e).nonzero().flatten()
+        if len(pairs):
+            pad = -len(pairs) % block_m
+            sorted_ids += pairs.tolist() + [n] * pad
+            block_expert += [e] * ((len(pairs) + pad) // block_m)
+    return (torch.tensor(sorted_ids, dtype=torch.int32), torch.tensor(block_expert, dtype=torch.int32),
+            len(sorted_ids))
+
+
+def moe_gate_up(x, w13, ids):
+    """Reference of `moe_gate_up`: row t * k + j = silu(x[t] @ gate^T) * (x[t] @ up^T) of expert
+    ids[t, j], rounded as the kernel rounds (each product, then the SiLU, then their product)."""
+    t, k = ids.shape
+    inter = w13.shape[1] // 2
+    out = torch.empty(t * k, inter, dtype=x.dtype, device=x.device)
+    flat = ids.flatten().long()
+    for e in flat.unique().tolist():
+        rows = (flat == e).nonzero().flatten()
+        gate_up = (x[rows // k].float() @ w13[e].float().T).to(x.dtype).float()
+        silu = F.silu(gate_up[:, :inter]).to(x.dtype).float()
+        out[rows] = (silu * gate_up[:, inter:]).to(x.dtype)
+    return out
+
+
+def moe_down(act, w2, weights, ids):
+    """Reference of `moe_down`: parts [k, T, H] fp32, parts[j, t] = weights[t, j] * act[t * k + j] @ down^T."""
+    t, k = ids.shape
+    parts = torch.empty(k, t, w2.shape[1], dtype=torch.float32, device=act.device)
+    flat = ids.flatten().long()
+    for e in flat.unique().tolist():
+        rows = (flat == e).nonzero().flatten()
+        y = (act[rows].float() @ w2[e].float().T) * weights.flatten()[rows, None].float()
+        parts[rows % k, rows // k] = y
+    return parts

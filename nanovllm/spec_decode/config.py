@@ -145,9 +145,10 @@ def check_same_tokenizer(draft_path: str, target_path: str):
                          "speculative decoding needs the same tokenizer and vocabulary")
 
 
-def draft_memory(spec: SpeculativeConfig | None, dtype, block_size: int) -> tuple[int, int]:
-    """(bytes of one KV block of the draft model, bytes of its weights): what the target's KV
-    budget leaves the draft, which holds as many blocks as the target. (0, 0) without a draft."""
+def draft_memory(spec: SpeculativeConfig | None, dtype, kv_dtype, block_size: int) -> tuple[int, int]:
+    """(bytes of one KV block of the draft model in kv_dtype, bytes of its weights in dtype): what
+    the target's KV budget leaves the draft, which holds as many blocks as the target. (0, 0)
+    without a draft."""
     if spec is None or spec.method != "draft_model":
         return 0, 0
     import torch
@@ -156,6 +157,6 @@ def draft_memory(spec: SpeculativeConfig | None, dtype, block_size: int) -> tupl
     hf = spec.draft_hf_config
     model = build_model(hf, dtype, torch.device("meta"))  # shapes only: nothing allocated
     kv_heads, head_dim = model.kv_cache_shape()
-    elem = torch.tensor([], dtype=dtype).element_size()
+    elem = torch.tensor([], dtype=kv_dtype).element_size()
     block = 2 * len(model.attention_layers) * block_size * kv_heads * head_dim * elem
     return block, sum(p.numel() * p.element_size() for p in model.parameters())

@@ -36,6 +36,8 @@ def draft_runner_config(config, num_blocks: int):
     draft.num_kvcache_blocks = num_blocks
     draft.kv_cache_memory_bytes = None
     draft.max_num_seqs = min(config.max_num_seqs, spec.disable_by_batch_size)
+    from nanovllm.layers.quantization import resolve_quantization  # the draft's weights as its checkpoint has them
+    draft.quant_config = resolve_quantization(config.quantization, spec.draft_hf_config, config.load_format)
     return draft
 
 

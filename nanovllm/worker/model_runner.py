@@ -21,9 +21,9 @@ from nanovllm.engine.scheduler import ScheduledBatch
 from nanovllm.engine.sequence import Sequence
 from nanovllm.layers.cpu_linear import pack_linear_weights
 from nanovllm.layers.sampler import LogprobsLists, Sampler, SamplerOutput
-from nanovllm.models.loader import build_model, init_dummy_weights, load_weights
-from nanovllm.spec_decode.config import draft_memory
 from nanovllm.layers.sampling_metadata import SamplingMetadata
+from nanovllm.models.loader import build_model, init_dummy_weights, load_weights, process_weights_after_loading
+from nanovllm.spec_decode.config import draft_memory
 from nanovllm.worker.gemm_warmup import warm_gemms
 from nanovllm.worker.grammar_masks import BitmaskBuffers, MaskFillStats, timed_fill
 from nanovllm.worker.inputs import (HostInputs, HostToDevice, TransferSlots, build_host_inputs, fill_decode_inputs,
@@ -119,11 +119,12 @@ class ModelRunner:
         self.block_size = config.kvcache_block_size
         set_tensor_parallel(rank, config.tensor_parallel_size)
         torch.manual_seed(config.seed)
-        self.model = build_model(config.hf_config, config.torch_dtype, self.device)
+        self.model = build_model(config.hf_config, config.torch_dtype, self.device, config.quant_config)
         if config.load_format == "dummy":
             init_dummy_weights(self.model, config.seed)
         else:
             load_weights(self.model, config.model)
+        process_weights_after_loading(self.model)  # quantized layers: FP8 weights, or dequantized on the CPU
         if self.device.type == "cpu":
             pack_linear_weights(self.model)  # bf16: oneDNN's layout once, not at every product
         self.sampler = Sampler()
@@ -184,8 +185,8 @@ class ModelRunner:
     # ---- KV cache -----------------------------------------------------------------------
     @property
     def block_bytes(self) -> int:
-        """Bytes of one block across all layers, K and V."""
-        elem = torch.tensor([], dtype=self.config.torch_dtype).element_size()
+        """Bytes of one block across all layers, K and V (one byte per value in an FP8 cache)."""
+        elem = torch.tensor([], dtype=self.config.kv_cache_torch_dtype).element_size()
         return 2 * self.num_layers * self.block_size * self.num_kv_heads * self.head_dim * elem
 
     def _num_kv_blocks(self) -> int:
@@ -194,8 +195,8 @@ class ModelRunner:
             return cfg.num_kvcache_blocks
         # A draft model (speculative decoding, rank 0 only) holds as many blocks as the target, and
         # its weights load after this budget is made: both come out of it.
-        draft_block, draft_weights = (0, 0) if self.rank else draft_memory(cfg.speculative_config, cfg.torch_dtype,
-                                                                           self.block_size)
+        draft_block, draft_weights = (0, 0) if self.rank else draft_memory(
+            cfg.speculative_config, cfg.torch_dtype, cfg.kv_cache_torch_dtype, self.block_size)
         per_block = self.block_bytes + draft_block
         if cfg.kv_cache_memory_bytes is not None:
             budget = cfg.kv_cache_memory_bytes
@@ -211,10 +212,13 @@ class ModelRunner:
 
     def _allocate_kv_cache(self, num_blocks: int) -> torch.Tensor:
         # Zeroed: masked-out context slots are multiplied by zero weights, which NaN would poison.
+        dtype = self.config.kv_cache_torch_dtype
         kv = torch.zeros(2, self.num_layers, num_blocks, self.block_size, self.num_kv_heads, self.head_dim,
-                         dtype=self.config.torch_dtype, device=self.device)
+                         dtype=dtype, device=self.device)
+        fp8 = dtype == torch.float8_e4m3fn  # the kernels then quantize with, and dequantize by, the layer's scales
         for i, attn in enumerate(self.model.attention_layers):
             attn.k_cache, attn.v_cache = kv[0, i], kv[1, i]
+            attn.kv_scales = (attn.k_scale, attn.v_scale) if fp8 else None
         return kv
 
     def _largest_step_layout(self, num_tokens: int, num_seqs: int) -> tuple[int, int]:

@@ -15,6 +15,8 @@ VOCAB = 500
 
 
 class _Output:
+    awaits_masks = False  # never deferred: no grammars here
+
     def __init__(self, seqs, tokens):
         self.seqs, self._tokens = seqs, tokens
 
@@ -45,7 +47,7 @@ class KVCheckingDevice:
         drawn = self.sampled.get(seq.seq_id, {})
         return [t if t >= 0 else drawn[p] for p, t in enumerate(seq.token_ids)]
 
-    def execute(self, batch):
+    def execute(self, batch, defer_sampling=False):
         for src, dst, n in batch.kv_copies:
             assert src != dst and 0 < n <= self.block_size
             self.slots[dst][:n] = self.slots[src][:n]

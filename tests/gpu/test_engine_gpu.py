@@ -179,24 +179,20 @@ def test_qwen3_06b_bf16_triton_agrees_with_torch_backend(tmp_path):
     assert_bf16_agreement(a, b, "triton vs torch backend")
 
 
-@pytest.mark.parametrize("schedule", ["split", "balanced"])
-def test_qwen3_06b_bf16_decode_schedules_agree_with_torch_backend(schedule, tmp_path, monkeypatch):
-    """Decode attention through one kernel at every batch size (the engine picks the balanced one for
-    small batches, the split one for large ones), CUDA graphs on."""
+def test_qwen3_06b_bf16_decode_at_every_batch_size_agrees_with_torch_backend(tmp_path):
+    """Decode attention through the split kernel at every batch size of a ragged batch as it drains, CUDA
+    graphs on, against the torch backend."""
     import shutil
 
-    import nanovllm.attention.triton_backend as triton_backend
-    monkeypatch.setattr(triton_backend, "BALANCED_DECODE_MAX_BATCH", 1 << 30 if schedule == "balanced" else 0)
     shutil.copy(QWEN3_06B, tmp_path / "config.json")
     kwargs = dict(load_format="dummy", dtype="bfloat16", max_model_len=2048, max_num_seqs=16,
                   gpu_memory_utilization=0.3)
     prompts = make_prompts(5, lengths=(10, 100, 300, 1000))
     with LLM(str(tmp_path), **kwargs) as fast:
-        assert (fast.engine.model_runner.backend.balanced is not None) == (schedule == "balanced")
         a = greedy(fast, prompts, 8)
     with LLM(str(tmp_path), attention_backend="torch", enforce_eager=True, **kwargs) as ref:
         b = greedy_topk(ref, prompts, 8)
-    assert_bf16_agreement(a, b, f"{schedule} decode vs torch backend")
+    assert_bf16_agreement(a, b, "split decode vs torch backend")
 
 
 def test_kv_cache_sized_from_gpu_memory_utilization(tmp_path):

@@ -38,7 +38,7 @@ _CONNECTIONS_HEADROOM = 256  # --limit-concurrency's default: requests that may 
 _ENGINE_OPTIONS = ("device", "dtype", "max_model_len", "max_num_seqs", "max_num_batched_tokens", "enforce_eager",
                    "kv_cache_memory_bytes", "num_kvcache_blocks", "gpu_memory_utilization", "tensor_parallel_size",
                    "enable_prefix_caching", "kvcache_block_size", "seed", "attention_backend", "load_format",
-                   "reasoning_parser")
+                   "reasoning_parser", "kv_cache_dtype", "quantization")
 
 
 def add_serve_arguments(p: argparse.ArgumentParser):
@@ -88,6 +88,9 @@ def add_serve_arguments(p: argparse.ArgumentParser):
     g.add_argument("--seed", type=int, default=None, help="seed of requests that give none")
     g.add_argument("--reasoning-parser", default=None, choices=sorted(REASONING_PARSERS),
                    help="split a reasoning model's <think> block into reasoning_content; constraints apply after it")
+    g.add_argument("--kv-cache-dtype", default=None, help="auto (the model dtype) or fp8 (float8_e4m3fn)")
+    g.add_argument("--quantization", default=None, choices=["fp8"],
+                   help="block-FP8 weights for a checkpoint without them (FP8 checkpoints need no flag)")
 
 
 # ---- the app --------------------------------------------------------------------------------
