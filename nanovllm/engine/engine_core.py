@@ -328,7 +328,11 @@ class EngineCore:
         waiting = {seq.request_id for seq in sched.waiting} - running
         self._events.append(("stats", EngineStats(len(running), len(waiting), bm.usage, self._num_received,
                                                   bm.prefix_queries, bm.prefix_hits, sched.num_preemptions,
-                                                  *self._timing)))
+                                                  *self._timing, spec_decode=self._spec_decode_stats())))
+
+    def _spec_decode_stats(self) -> dict | None:
+        speculator = self.engine.speculator
+        return speculator.stats.as_dict() if speculator.enabled else None
 
     def _flush(self):
         events, self._events = self._events, []

@@ -98,3 +98,5 @@ class EngineStats:
     step_seconds: float = 0.0
     collect_seconds: float = 0.0
     emit_seconds: float = 0.0
+    # Speculative decoding (nanovllm.spec_decode.SpecDecodeStats's counters), None when it is off.
+    spec_decode: dict | None = None

@@ -38,7 +38,7 @@ _CONNECTIONS_HEADROOM = 256  # --limit-concurrency's default: requests that may 
 _ENGINE_OPTIONS = ("device", "dtype", "max_model_len", "max_num_seqs", "max_num_batched_tokens", "enforce_eager",
                    "kv_cache_memory_bytes", "num_kvcache_blocks", "gpu_memory_utilization", "tensor_parallel_size",
                    "enable_prefix_caching", "kvcache_block_size", "seed", "attention_backend", "load_format",
-                   "reasoning_parser", "kv_cache_dtype", "quantization")
+                   "reasoning_parser", "kv_cache_dtype", "quantization", "speculative_config")
 
 
 def add_serve_arguments(p: argparse.ArgumentParser):
@@ -91,6 +91,9 @@ def add_serve_arguments(p: argparse.ArgumentParser):
     g.add_argument("--kv-cache-dtype", default=None, help="auto (the model dtype) or fp8 (float8_e4m3fn)")
     g.add_argument("--quantization", default=None, choices=["fp8"],
                    help="block-FP8 weights for a checkpoint without them (FP8 checkpoints need no flag)")
+    g.add_argument("--speculative-config", default=None, metavar="JSON",
+                   help='speculative decoding, vLLM\'s JSON: \'{"method": "ngram", "num_speculative_tokens": 4}\' '
+                        'or \'{"method": "draft_model", "model": PATH, "num_speculative_tokens": 3}\'')
 
 
 # ---- the app --------------------------------------------------------------------------------
@@ -190,7 +193,8 @@ def run_server(args) -> int:
     config = engine_config(args)  # bad options fail here, before the model loads
     limit_concurrency = args.limit_concurrency or args.max_waiting + config.max_num_seqs + _CONNECTIONS_HEADROOM
     _raise_open_files_limit(limit_concurrency)
-    metrics = ServerMetrics(names[0], config.max_model_len)
+    spec = config.speculative_config
+    metrics = ServerMetrics(names[0], config.max_model_len, spec.num_speculative_tokens if spec is not None else 0)
     engine = AsyncLLMEngine(config, max_waiting=args.max_waiting, listener=metrics.engine_listener(0))
     logger.info("loading %s (%s) on %s", names[0], config.model, config.device)
     engine.start()

@@ -102,7 +102,9 @@ class WeightedHistogram:
 class ServerMetrics:
     """The metrics of one server: its registry and, per engine core, an `EngineMetrics` listener."""
 
-    def __init__(self, model_name: str, max_model_len: int):
+    def __init__(self, model_name: str, max_model_len: int, num_speculative_tokens: int = 0):
+        """num_speculative_tokens: the engines' k when they speculate (their spec-decode series
+        exist, at 0, from the start), else 0."""
         disable_created_metrics()  # as vLLM: no `_created` series next to every counter
         self.model_name = model_name
         self.registry = registry = CollectorRegistry()
@@ -137,7 +139,7 @@ class ServerMetrics:
         self.request_generation_tokens = histogram("vllm:request_generation_tokens",
                                                    "Number of generation tokens processed.", token_buckets)
         self.engines: list[EngineMetrics] = []
-        registry.register(_SnapshotCollector(self.engines))
+        registry.register(_SnapshotCollector(self.engines, num_speculative_tokens))
 
     def engine_listener(self, index: int = 0) -> "EngineMetrics":
         """The listener for engine core `index` (AsyncLLMEngine's `listener`)."""
@@ -217,11 +219,36 @@ class EngineMetrics:
                 self.request_tpot.observe((seq.time - first) / (seq.num_tokens - 1))
 
 
+# Speculative decoding, vLLM's series (only while an engine speculates): (name, help, SpecDecodeStats key).
+_SPEC_DECODE_METRICS = (
+    ("vllm:spec_decode_num_drafts", "Number of spec decoding drafts.", "spec_decode_num_drafts"),
+    ("vllm:spec_decode_num_draft_tokens", "Number of draft tokens.", "spec_decode_num_draft_tokens"),
+    ("vllm:spec_decode_num_accepted_tokens", "Number of accepted tokens.", "spec_decode_num_accepted_tokens"),
+)
+
+
+def _spec_decode_families(snapshots, k: int):
+    none = {key: 0 for _, _, key in _SPEC_DECODE_METRICS} | {"spec_decode_num_accepted_tokens_per_pos": [0] * k}
+    speculating = [(labels, stats.spec_decode or none) for labels, stats in snapshots]  # none: nothing published yet
+    for name, help_, key in _SPEC_DECODE_METRICS:
+        family = CounterMetricFamily(name, help_, labels=LABELS)
+        for labels, spec in speculating:
+            family.add_metric(labels, spec[key])
+        yield family
+    family = CounterMetricFamily("vllm:spec_decode_num_accepted_tokens_per_pos",
+                                 "Accepted tokens per draft position.", labels=LABELS + ("position",))
+    for labels, spec in speculating:
+        for position, count in enumerate(spec["spec_decode_num_accepted_tokens_per_pos"]):
+            family.add_metric(labels + (str(position),), count)
+    yield family
+
+
 class _SnapshotCollector:
     """Series read at scrape time: each engine's latest EngineStats, and the token gaps."""
 
-    def __init__(self, engines: list[EngineMetrics]):
+    def __init__(self, engines: list[EngineMetrics], num_speculative_tokens: int = 0):
         self.engines = engines
+        self.num_speculative_tokens = num_speculative_tokens
 
     def collect(self):
         engines = list(self.engines)
@@ -231,6 +258,8 @@ class _SnapshotCollector:
             for labels, stats in snapshots:
                 family.add_metric(labels, value(stats))
             yield family
+        if self.num_speculative_tokens:
+            yield from _spec_decode_families(snapshots, self.num_speculative_tokens)
         # The gaps between a sequence's tokens: vLLM's inter-token latency, and its older name for it.
         for name, help_ in (("vllm:inter_token_latency_seconds", "Histogram of inter-token latency in seconds."),
                             ("vllm:time_per_output_token_seconds",
