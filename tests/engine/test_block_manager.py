@@ -235,3 +235,79 @@ def test_dominated_partial_blocks_are_not_indexed_twice():
     assert [entry[1] for entry in bm.children[None]] == [a_block]
     assert next(iter(bm.free_blocks)) == b_block  # offering nothing, it is evicted first
     check_block_manager(bm, [])
+
+
+# ---- speculative decoding: rolling back the KV of rejected drafts -----------------------------
+def _verify(bm: BlockManager, seq: Sequence, drafts: list[int], accepted: int, bonus: int):
+    """One verification step as the engine runs it: seq's last token and its drafts computed,
+    `accepted` drafts kept and a bonus token drawn, the rest rolled back, then published."""
+    n = 1 + len(drafts)
+    assert bm.allocate(seq, n)
+    bm.release_pins()
+    seq.num_computed_tokens += n
+    bm.rollback(seq, len(drafts) - accepted)
+    for token in drafts[:accepted] + [bonus]:
+        seq.append_token(token)
+    bm.publish(seq)
+
+
+def test_rollback_inside_a_block_keeps_the_table():
+    bm = BlockManager(num_blocks=4, block_size=16)
+    seq = _seq(list(range(20)))
+    _run_prefill(bm, seq)
+    seq.append_token(99)
+    _verify(bm, seq, [1, 2, 3], accepted=1, bonus=7)
+    assert seq.num_computed_tokens == 22 and seq.num_tokens == 23  # 20 + 99 + the accepted 1; 7 not yet computed
+    assert len(seq.block_table) == 2
+    check_block_manager(bm, [seq])
+
+
+def test_rollback_returns_the_blocks_that_held_only_rejected_drafts():
+    bm = BlockManager(num_blocks=4, block_size=16)
+    seq = _seq(list(range(30)))
+    _run_prefill(bm, seq)
+    seq.append_token(99)
+    free_before = bm.num_free_blocks
+    _verify(bm, seq, [1, 2, 3, 4, 5], accepted=0, bonus=8)  # positions 31..35 spill into a third block
+    assert seq.num_computed_tokens == 31 and seq.num_tokens == 32
+    assert len(seq.block_table) == 2 and bm.num_free_blocks == free_before
+    check_block_manager(bm, [seq])
+    bm.free(seq)
+    assert bm.num_free_blocks == 4
+    check_block_manager(bm, [])
+
+
+def test_rejected_drafts_never_reach_the_prefix_cache():
+    """Only verified tokens are offered: a block completed by drafts that were then rejected is
+    not indexed, and a prompt that continues with the rejected drafts finds only the verified prefix."""
+    bm = BlockManager(num_blocks=8, block_size=16)
+    seq = _seq(list(range(14)))
+    _run_prefill(bm, seq)
+    seq.append_token(50)
+    drafts = [60, 61, 62, 63]  # would complete the first block at position 15 and spill into the second
+    _verify(bm, seq, drafts, accepted=0, bonus=70)
+    assert seq.num_computed_tokens == 15 and bm.hash_to_block == {}
+    check_block_manager(bm, [seq])
+    bm.free(seq)  # offers what it computed: 14 prompt tokens and 50
+    probe = _seq(list(range(14)) + [50] + drafts)
+    hit = bm.lookup_prefix(probe)
+    assert hit.num_tokens == 15
+    # The accepted ones are cached: a sequence that verified two drafts offers them.
+    other = _seq(list(range(100, 114)))
+    _run_prefill(bm, other)
+    other.append_token(50)
+    _verify(bm, other, [60, 61, 62], accepted=2, bonus=71)
+    assert other.num_computed_tokens == 17 and other.token_ids[14:] == [50, 60, 61, 71]
+    assert len(bm.hash_to_block) == 1  # the first block, full of verified tokens
+    check_block_manager(bm, [other])
+    bm.free(other)
+    check_block_manager(bm, [])
+    assert bm.num_free_blocks == 8
+
+
+def test_rollback_refuses_to_undo_published_tokens():
+    bm = BlockManager(num_blocks=4, block_size=16)
+    seq = _seq(list(range(20)))
+    _run_prefill(bm, seq)  # publishes the first block and the prompt's partial one
+    with pytest.raises(AssertionError):
+        bm.rollback(seq, 5)
