@@ -176,7 +176,8 @@ def run_forced(args) -> dict:
     llm = LLM(target, device=args.device, dtype=args.dtype, enforce_eager=args.enforce_eager, load_format="dummy",
               max_model_len=args.max_model_len, speculative_config=spec, **_memory(args))
     random.seed(0)
-    prompts = [[random.randint(0, 10000) for _ in range(args.prompt_len)]]
+    vocab = llm.config.hf_config.vocab_size
+    prompts = [[random.randint(0, min(10000, vocab - 1)) for _ in range(args.prompt_len)]]
     params = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=args.max_tokens)
     llm.generate(prompts, SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=16), use_tqdm=False)
     _, reference, _ = _timed(llm, prompts, params, speculate=False)
