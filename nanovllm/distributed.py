@@ -1,4 +1,5 @@
 """Tensor-parallel state: which rank this process is and how to combine partial results."""
+import contextlib
 import os
 import threading
 from typing import NamedTuple
@@ -17,6 +18,20 @@ _tp_size = 1
 def set_tensor_parallel(rank: int, size: int):
     global _tp_rank, _tp_size
     _tp_rank, _tp_size = rank, size
+
+
+@contextlib.contextmanager
+def single_device():
+    """Code run inside sees no tensor parallelism (rank 0 of 1), whatever this process's group:
+    a speculative draft model on rank 0 of a tensor-parallel target, built and run alone. The
+    layers read the state at construction and in their forward passes, so both go inside."""
+    global _tp_rank, _tp_size
+    saved = _tp_rank, _tp_size
+    _tp_rank, _tp_size = 0, 1
+    try:
+        yield
+    finally:
+        _tp_rank, _tp_size = saved
 
 
 def tp_rank() -> int:

@@ -19,6 +19,7 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
+from nanovllm.distributed import single_device
 from nanovllm.layers.sampling_metadata import SamplingMetadata
 from nanovllm.sampling_params import GREEDY_BELOW
 from nanovllm.worker.inputs import SEED_MASK, HostInputs
@@ -46,7 +47,8 @@ class DraftModelProposer:
         from nanovllm.worker.model_runner import ModelRunner
         self.k = config.speculative_config.num_speculative_tokens
         self.max_tokens = config.max_num_batched_tokens
-        self.runner = ModelRunner(draft_runner_config(config, target_runner.num_blocks))
+        with single_device():  # the draft is not split, whatever the target's tensor parallelism
+            self.runner = ModelRunner(draft_runner_config(config, target_runner.num_blocks))
         self.device = self.runner.device
         self.block_size = config.kvcache_block_size
         # seq_id -> (tokens the draft had computed, the drafts written after them, preemptions then)
@@ -84,7 +86,9 @@ class DraftModelProposer:
                 chosen_caps.append(cap)
         out = {}
         if chosen:
-            for seq, draft in zip(chosen, self._draft(chosen, chosen_caps)):
+            with single_device():
+                drafts = self._draft(chosen, chosen_caps)
+            for seq, draft in zip(chosen, drafts):
                 out[seq.seq_id] = draft
                 self._state[seq.seq_id] = (seq.num_tokens, draft, seq.num_preemptions)
         return [out.get(seq.seq_id, []) for seq in seqs]
@@ -157,7 +161,8 @@ class DraftModelProposer:
     def shutdown(self):
         runner, self.runner = self.runner, None
         if runner is not None:
-            runner.shutdown()
+            with single_device():
+                runner.shutdown()
 
 
 class _Span(NamedTuple):

@@ -193,13 +193,15 @@ def test_metrics_count_drafts_and_acceptances(models):
         assert "spec_decode_num_draft_tokens" not in llm.get_metrics()
 
 
-def test_tensor_parallel_verification(models):
+@pytest.mark.parametrize("method", ["ngram", "self"])
+def test_tensor_parallel_verification(models, method):
     """TP=2 on the CPU: the verification steps' rows are drawn on rank 0 after both ranks' forward
-    passes; the tokens are those of a single-process engine without speculation."""
+    passes (a draft model runs whole on rank 0, outside the group); the tokens are those of a
+    single-process engine without speculation."""
     target, _ = models
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
     expected = _plain(target, params=params)
-    with LLM(target, tensor_parallel_size=2, speculative_config=NGRAM, **KW) as llm:
+    with LLM(target, tensor_parallel_size=2, speculative_config=_spec(method, models), **KW) as llm:
         got = _run(llm, params=params)
         assert llm.get_metrics()["spec_decode_num_accepted_tokens"] > 0
     _same(got, expected)
