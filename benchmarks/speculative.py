@@ -3,6 +3,9 @@ same engine with speculation switched off for every step, as above disable_by_ba
 
     # n-gram (prompt lookup) on the embedded GGUF, one request whose answer copies its prompt
     python -m benchmarks.speculative ngram [--model PATH] [-k 4] [--repeat 3]
+    # the same task B times at once, for the batch size where speculation stops paying
+    # (speculative_config's disable_by_batch_size)
+    python -m benchmarks.speculative ngram --batch-sizes 1,8,16,32,64
     # Qwen3-8B target, Qwen3-0.6B draft, random weights; the draft's proposals forced to the
     # target's greedy tokens (full acceptance: the bound real drafts approach) for k = 1..5, and
     # forced wrong (every draft rejected: the cost of a wasted step)
@@ -114,10 +117,12 @@ def _report(results: dict, baseline: str) -> dict:
 def run_ngram(args) -> dict:
     from nanovllm.models.model_path import resolve_model_path
     path = resolve_model_path(args.model)
+    sizes = [int(b) for b in args.batch_sizes.split(",")]
     spec = {"method": "ngram", "num_speculative_tokens": args.k, "prompt_lookup_min": args.lookup_min,
-            "prompt_lookup_max": args.lookup_max}
+            "prompt_lookup_max": args.lookup_max, "disable_by_batch_size": max(sizes)}
     llm = LLM(path, device=args.device, dtype=args.dtype, enforce_eager=args.enforce_eager,
-              max_model_len=args.max_model_len, speculative_config=spec, **_memory(args))
+              max_model_len=args.max_model_len, max_num_seqs=max(256, max(sizes)), speculative_config=spec,
+              **_memory(args))
     tokenizer = llm.get_tokenizer()
     prompt = tokenizer.apply_chat_template([{"role": "user", "content": TASK}], tokenize=False,
                                            add_generation_prompt=True)
@@ -126,12 +131,17 @@ def run_ngram(args) -> dict:
     llm.generate([prompt_ids], SamplingParams(temperature=0.0, max_tokens=32), use_tqdm=False)  # warm-up
     print(f"prompt {len(prompt_ids)} tokens (a {len(tokenizer.encode(FUNCTION))}-token function), greedy, "
           f"max_tokens={args.max_tokens}, k={args.k}, device={llm.config.device}")
-    results = _alternate(llm, [prompt_ids], params, args.repeat, {"plain": (False, None), "ngram": (True, None)})
-    text = tokenizer.decode(results["ngram"]["tokens"][0], skip_special_tokens=True)
-    print(f"output ({len(results['ngram']['tokens'][0])} tokens):\n{text[:600]}{'...' if len(text) > 600 else ''}")
-    rows = _report(results, "plain")
+    by_size = {}
+    for size in sizes:
+        print(f"batch of {size}:")
+        results = _alternate(llm, [prompt_ids] * size, params, args.repeat,
+                             {"plain": (False, None), "ngram": (True, None)})
+        if size == sizes[0]:
+            text = tokenizer.decode(results["ngram"]["tokens"][0], skip_special_tokens=True)
+            print(f"output ({len(results['ngram']['tokens'][0])} tokens):\n{text[:600]}{'...' if len(text) > 600 else ''}")
+        by_size[size] = _report(results, "plain")
     llm.shutdown()
-    return {"case": "ngram", "model": path, "k": args.k, "prompt_tokens": len(prompt_ids), "arms": rows}
+    return {"case": "ngram", "model": path, "k": args.k, "prompt_tokens": len(prompt_ids), "by_batch_size": by_size}
 
 
 def _random_model_dir(config_path: str) -> str:
@@ -215,6 +225,7 @@ def main(argv=None):
     ap.add_argument("-k", type=int, default=4, help="ngram: num_speculative_tokens")
     ap.add_argument("--lookup-min", type=int, default=2)
     ap.add_argument("--lookup-max", type=int, default=4)
+    ap.add_argument("--batch-sizes", default="1", help="ngram: the task this many times at once (a list: a sweep)")
     ap.add_argument("--ks", default="1,2,3,4,5", help="forced: the values of k")
     ap.add_argument("--prompt-len", type=int, default=128, help="forced: random prompt tokens")
     ap.add_argument("--max-tokens", type=int, default=400)
