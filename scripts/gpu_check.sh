@@ -3,7 +3,7 @@
 #   bash scripts/gpu_check.sh [OUTDIR]      (on the device machine: OUTDIR defaults to $OUT)
 # STAGES picks what runs (default "tests kernels bench single bench8b"):
 #   tests     the GPU test suite (tests/kernels tests/layers tests/gpu)
-#   kernels   full-size paged-attention kernel checks and timings (scripts/gpu_kernels.py)
+#   kernels   full-size paged-attention kernel checks and timings (scripts/gpu_kernels.py attention, KERNEL_ARGS)
 #   bench     python bench.py (nano-vllm's benchmark, Qwen3-0.6B, random weights) with its roofline
 #   single    python bench.py --single (one request, 512 new tokens)
 #   bench8b   the same workload on the Qwen3-8B architecture
@@ -14,11 +14,11 @@
 #             carry .whl (CLIENT_PROCESSES=N client processes at concurrency 256, default 4)
 #   tp        the tensor-parallel GPU tests (two GPUs)
 #   bench8btp Qwen3-8B over two GPUs (python bench.py -tp 2)
-#   fp8       the FP8 kernel tests and GPU tests, then full-size FP8 kernel checks and timings (scripts/fp8_kernels.py)
+#   fp8       the FP8 kernel tests and GPU tests, then full-size FP8 kernel checks and timings (scripts/gpu_kernels.py fp8)
 #   bench8bfp8  Qwen3-8B with block-FP8 weights (bench.py --quantization fp8), workload and single request
 #   benchkvfp8  Qwen3-0.6B with the FP8 KV cache (bench.py --kv-cache-dtype fp8)
-#   moe       the MoE kernel tests and GPU tests, then scripts/bench_moe.py (fused MoE vs a torch per-expert
-#             loop over Qwen3-30B-A3B layers, bandwidth at decode sizes); moesweep: its tile sweep
+#   moe       the MoE kernel tests and GPU tests, then scripts/gpu_kernels.py moe (fused MoE vs a torch per-expert
+#             loop over Qwen3-30B-A3B layers, bandwidth at decode sizes); moesweep: its tile sweep (MOE_TOKENS)
 #   benchmoe / singlemoe / profilemoe  bench.py on Qwen3-30B-A3B (throughput, one request, --profile)
 set -o pipefail
 OUTDIR=${1:-${OUT:-/tmp/nanovllm-gpu}}
@@ -58,7 +58,7 @@ python3 -c "import torch, triton, transformers; print('torch', torch.__version__
 for stage in $STAGES; do
   case $stage in
     tests)     run tests python3 -m pytest tests/kernels tests/layers tests/gpu -q -p no:cacheprovider --durations=8 ;;
-    kernels)   run kernels python3 scripts/gpu_kernels.py ${KERNEL_ARGS:-} ;;
+    kernels)   run kernels python3 scripts/gpu_kernels.py attention ${KERNEL_ARGS:-} ;;
     bench)     run bench python3 bench.py --json "$OUTDIR/bench_qwen3_0.6b.json" ;;
     single)    run single python3 bench.py --single --json "$OUTDIR/bench_single.json" ;;
     bench8b)   run bench8b python3 bench.py --config benchmarks/configs/qwen3-8b.json --json "$OUTDIR/bench_qwen3_8b.json" ;;
@@ -70,7 +70,7 @@ for stage in $STAGES; do
     fp8)
       run fp8_tests python3 -m pytest tests/kernels/test_fp8_gemm.py tests/kernels/test_fp8_quant.py \
         tests/kernels/test_fp8_kv_cache.py tests/gpu/test_fp8_gpu.py -q -p no:cacheprovider --durations=5
-      run fp8_kernels python3 scripts/fp8_kernels.py ;;
+      run fp8_kernels python3 scripts/gpu_kernels.py fp8 ;;
     bench8bfp8)
       run bench8b_fp8 python3 bench.py --config benchmarks/configs/qwen3-8b.json --quantization fp8 --json "$OUTDIR/bench_qwen3_8b_fp8.json"
       run single8b_fp8 python3 bench.py --config benchmarks/configs/qwen3-8b.json --quantization fp8 --single --json "$OUTDIR/single_qwen3_8b_fp8.json"
@@ -78,8 +78,8 @@ for stage in $STAGES; do
     benchkvfp8) run bench_kvfp8 python3 bench.py --kv-cache-dtype fp8 --json "$OUTDIR/bench_qwen3_0.6b_kvfp8.json" ;;
     moe)
       run moe_tests python3 -m pytest tests/kernels/test_moe.py tests/gpu/test_moe_gpu.py -q -p no:cacheprovider --durations=8
-      run moe_kernels python3 scripts/bench_moe.py ;;
-    moesweep)  run moesweep python3 scripts/bench_moe.py --sweep --tokens ${MOE_TOKENS:-16,256} ;;
+      run moe_kernels python3 scripts/gpu_kernels.py moe ;;
+    moesweep)  run moesweep python3 scripts/gpu_kernels.py moe --sweep --tokens ${MOE_TOKENS:-16,256} ;;
     benchmoe)  run benchmoe python3 bench.py --config benchmarks/configs/qwen3-30b-a3b.json --json "$OUTDIR/bench_qwen3_30b_a3b.json" ;;
     singlemoe) run singlemoe python3 bench.py --config benchmarks/configs/qwen3-30b-a3b.json --single --json "$OUTDIR/bench_qwen3_30b_a3b_single.json" ;;
     profilemoe) run profilemoe python3 bench.py --config benchmarks/configs/qwen3-30b-a3b.json --profile ;;
