@@ -84,7 +84,7 @@ def correctness(shapes):
             if name in ("o", "down") and fp8_splitk_config(m, k) is not None:
                 def splitk(m=m, xq=xq, want=want):
                     err = _rel_err(fp8_partial_linear(xq, w, s, fp8_splitk_config(m, k)).parts.sum(0), want)
-                    assert err < 1e-4, err
+                    assert err < 1e-3, err  # FP8 tensor cores add a block's products at ~14 bits
                     return f"rel err {err:.1e}"
                 check(f"{name} M={m} split-K", splitk)
             if name == "gate_up":
