@@ -28,6 +28,11 @@
 #   moe       the MoE kernel tests and GPU tests, then scripts/gpu_kernels.py moe (fused MoE vs a torch per-expert
 #             loop over Qwen3-30B-A3B layers, bandwidth at decode sizes); moesweep: its tile sweep (MOE_TOKENS)
 #   benchmoe / singlemoe / profilemoe  bench.py on Qwen3-30B-A3B (throughput, one request, --profile)
+#   spec      speculative decoding: its GPU tests and the multi-query decode kernel's, then Qwen3-8B with a Qwen3-0.6B
+#             draft (random weights) forced to agree for k = 1..5 and forced wrong (benchmarks/speculative.py forced)
+#   specngram n-gram speculation on the embedded GGUF, one request copying its prompt, and the batch-size sweep of
+#             disable_by_batch_size: GGUF=path/to/the.gguf (carried in two parts, ../shared/README.md), its gguf
+#             wheel installed into /tmp/site
 set -o pipefail
 OUTDIR=${1:-${OUT:-/tmp/nanovllm-gpu}}
 mkdir -p "$OUTDIR"
@@ -133,6 +138,14 @@ for stage in $STAGES; do
     benchmoe)  run benchmoe python3 bench.py --config benchmarks/configs/qwen3-30b-a3b.json --json "$OUTDIR/bench_qwen3_30b_a3b.json" ;;
     singlemoe) run singlemoe python3 bench.py --config benchmarks/configs/qwen3-30b-a3b.json --single --json "$OUTDIR/bench_qwen3_30b_a3b_single.json" ;;
     profilemoe) run profilemoe python3 bench.py --config benchmarks/configs/qwen3-30b-a3b.json --profile ;;
+    spec)
+      run spec_tests python3 -m pytest tests/gpu/test_spec_decode_gpu.py tests/kernels/test_paged_decode.py \
+        -q -p no:cacheprovider --durations=5
+      run spec_forced python3 -m benchmarks.speculative forced --max-tokens 256 --repeat 2 \
+        --json "$OUTDIR/spec_forced_qwen3_8b.json" ;;
+    specngram)
+      run spec_ngram env PYTHONPATH=/tmp/site:$PWD python3 -m benchmarks.speculative ngram --model "${GGUF:?GGUF=path}" \
+        --batch-sizes ${SPEC_BATCH_SIZES:-1,8,16,32,64} --repeat 2 --json "$OUTDIR/spec_ngram.json" ;;
     *) echo "unknown stage $stage"; status=1 ;;
   esac
 done
