@@ -42,6 +42,7 @@ class _Sampled:
     device has finished the step."""
 
     awaits_masks = False  # the benchmark sends no grammars
+    drafts = None  # no speculative decoding
 
     def __init__(self, seqs, ready_at: float):
         self.seqs, self.ready_at = seqs, ready_at

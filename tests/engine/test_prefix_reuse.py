@@ -16,6 +16,7 @@ VOCAB = 500
 
 class _Output:
     awaits_masks = False  # never deferred: no grammars here
+    drafts = None  # never a speculative verification
 
     def __init__(self, seqs, tokens):
         self.seqs, self._tokens = seqs, tokens
