@@ -4,6 +4,10 @@ Full blocks are identified by a hash chained over every token since the start of
 (xxhash64), so equal hashes mean equal prefixes up to a hash collision, which the token check on
 each hit rules out. Freed blocks keep their hash and content until the space is needed: the free
 list is an LRU queue, evicted from the front, so a cached block can be revived by a later request.
+
+An optional `observer` hears of every block the prefix cache gains (`stored(hash, parent_hash,
+token_ids)`) and loses (`removed(hash)`): the KV-cache events a server publishes for routers
+(engine/kv_events.py). Without one, that costs one attribute test per block indexed or evicted.
 """
 from array import array
 from collections import OrderedDict
@@ -40,6 +44,7 @@ class BlockManager:
         self.free_blocks: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
         self.hash_to_block: dict[int, int] = {}
         self.seq_block_hashes: dict[int, list[int]] = {}  # seq_id -> hashes of its full blocks
+        self.observer = None  # hears of blocks indexed and evicted (see the module docstring)
         # Prefix-cache statistics, in tokens.
         self.prefix_queries = 0
         self.prefix_hits = 0
@@ -110,6 +115,8 @@ class BlockManager:
         if block.hash is not None:  # evict it from the prefix cache
             if self.hash_to_block.get(block.hash) == block_id:
                 del self.hash_to_block[block.hash]
+                if self.observer is not None:
+                    self.observer.removed(block.hash)
             block.hash = block.token_ids = None
         block.ref_count = 1
         return block_id
@@ -128,7 +135,9 @@ class BlockManager:
             if block.hash is None:
                 block.hash = hashes[i]
                 block.token_ids = tuple(seq.token_ids[i * bs:(i + 1) * bs])
-                self.hash_to_block.setdefault(hashes[i], block.block_id)
+                if self.hash_to_block.setdefault(hashes[i], block.block_id) == block.block_id \
+                        and self.observer is not None:
+                    self.observer.stored(hashes[i], hashes[i - 1] if i else None, block.token_ids)
         seq.num_published_blocks = num_full
 
     def free(self, seq: Sequence):
