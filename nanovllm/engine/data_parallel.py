@@ -61,9 +61,10 @@ def core_config(config: Config, index: int, size: int) -> Config:
 
 class DataParallelEngine:
     def __init__(self, config: Config, size: int = 1, max_waiting: int = 1024, listeners=None, engine_factory=None,
-                 kv_events_endpoint: str | None = None, kv_events_topic: str = ""):
+                 kv_events_endpoint: str | None = None, kv_events_topic: str = "", separate_process: bool = True):
         """listeners: one metrics listener per core (AsyncLLMEngine's `listener`), or None.
-        --max-waiting is per core: each queues up to max_waiting requests."""
+        max_waiting is per core: each queues up to max_waiting requests. engine_factory and
+        separate_process: as AsyncLLMEngine's (threads: for tests)."""
         check_data_parallel(config, size)
         self.config = config
         self.size = size
@@ -71,6 +72,7 @@ class DataParallelEngine:
         threads = max(1, (os.cpu_count() or 1) // size) if size > 1 and config.device.type == "cpu" else None
         self.cores = [AsyncLLMEngine(core_config(config, i, size), max_waiting,
                                      listener=listeners[i] if listeners else None, engine_factory=engine_factory,
+                                     separate_process=separate_process,
                                      options=CoreOptions(i, threads, kv_events_endpoint, kv_events_topic))
                       for i in range(size)]
         self.balancer = LoadBalancer(size, slack=max(4, config.max_num_seqs // 8))
