@@ -61,7 +61,8 @@ def core_config(config: Config, index: int, size: int) -> Config:
 
 class DataParallelEngine:
     def __init__(self, config: Config, size: int = 1, max_waiting: int = 1024, listeners=None, engine_factory=None,
-                 kv_events_endpoint: str | None = None, kv_events_topic: str = "", separate_process: bool = True):
+                 kv_events_endpoint: str | None = None, kv_events_topic: str = "", kv_events_format: str = "array",
+                 separate_process: bool = True):
         """listeners: one metrics listener per core (AsyncLLMEngine's `listener`), or None.
         max_waiting is per core: each queues up to max_waiting requests. engine_factory and
         separate_process: as AsyncLLMEngine's (threads: for tests)."""
@@ -73,7 +74,8 @@ class DataParallelEngine:
         self.cores = [AsyncLLMEngine(core_config(config, i, size), max_waiting,
                                      listener=listeners[i] if listeners else None, engine_factory=engine_factory,
                                      separate_process=separate_process,
-                                     options=CoreOptions(i, threads, kv_events_endpoint, kv_events_topic))
+                                     options=CoreOptions(i, threads, kv_events_endpoint, kv_events_topic,
+                                                         kv_events_format))
                       for i in range(size)]
         self.balancer = LoadBalancer(size, slack=max(4, config.max_num_seqs // 8))
         self._forgotten: set[int] = set()  # cores found dead whose prefixes the balancer dropped

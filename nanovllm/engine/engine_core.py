@@ -49,6 +49,7 @@ class CoreOptions:
     cpu_threads: int | None = None    # torch threads of its process (CPU: its share of the host's cores)
     kv_events_endpoint: str | None = None  # publish KV-cache events there (ZMQ, vLLM's format)
     kv_events_topic: str = ""
+    kv_events_format: str = "array"  # how the events are encoded (engine/kv_events.py)
 
 
 class KVCacheInfo(NamedTuple):
@@ -133,7 +134,7 @@ class EngineCore:
         o = self.options
         bm = self.engine.block_manager
         self.kv_events = KVEventPublisher(o.kv_events_endpoint, o.kv_events_topic, o.index, bm.block_size,
-                                          "GPU" if self.config.device.type == "cuda" else "CPU")
+                                          "GPU" if self.config.device.type == "cuda" else "CPU", o.kv_events_format)
         bm.observer = self.kv_events
 
     def _die(self, reason: str):

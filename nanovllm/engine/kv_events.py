@@ -8,9 +8,11 @@ start: whatever a subscriber knew of an earlier run of this core is gone). Consu
 
 - a ZMQ PUB socket; each message has three frames: topic, sequence number (8 bytes, big-endian,
   from 0 per core), payload;
-- the payload is msgpack: an array [timestamp, events, data_parallel_rank], each event an array
-  led by its type's name, e.g. ["BlockStored", block_hashes, parent_block_hash, token_ids,
-  block_size, lora_id, medium] (msgspec structs with array_like and tag, as vLLM declares them);
+- the payload is msgpack: an array [timestamp, events, data_parallel_rank]; vLLM has encoded the
+  events two ways (msgspec tagged structs, `--kv-events-format`): "array" (vLLM up to 0.10, and
+  llm-d's indexer), each event an array led by its type's name, e.g. ["BlockStored", block_hashes,
+  parent_block_hash, token_ids, block_size, lora_id, medium]; "map" (later vLLM, vllm-router), each
+  event a map with a "type" key and lora_name besides;
 - as in vLLM, an endpoint with a wildcard ("tcp://*:5557") or an ipc:// / inproc:// one is bound, any
   other (e.g. "tcp://indexer:5557") connected to; data-parallel core i uses the port plus i.
 
@@ -30,6 +32,9 @@ logger = logging.getLogger("nanovllm.kv_events")
 
 _HIGH_WATER_MARK = 100_000  # messages queued per subscriber before ZMQ drops (vLLM's default)
 _LINGER_MS = 1000           # at close: how long the last messages may take to leave
+
+
+FORMATS = ("array", "map")
 
 
 class EventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
@@ -57,6 +62,30 @@ class BlockRemoved(KVCacheEvent):
 
 
 class AllBlocksCleared(KVCacheEvent):
+    pass
+
+
+# The "map" format's events (the tag is the "type" key; lora_name has no default, so it is sent).
+class MapKVCacheEvent(msgspec.Struct, omit_defaults=True, gc=False, tag=True):
+    pass
+
+
+class MapBlockStored(MapKVCacheEvent, tag="BlockStored"):
+    block_hashes: list[int]
+    parent_block_hash: int | None
+    token_ids: list[int]
+    block_size: int
+    lora_id: int | None
+    medium: str | None
+    lora_name: str | None
+
+
+class MapBlockRemoved(MapKVCacheEvent, tag="BlockRemoved"):
+    block_hashes: list[int]
+    medium: str | None
+
+
+class MapAllBlocksCleared(MapKVCacheEvent, tag="AllBlocksCleared"):
     pass
 
 
@@ -89,8 +118,16 @@ class KVEventPublisher:
     one batch (`flush`). Consecutive stores that continue one chain (a prompt's blocks, filled in one
     step) merge into one BlockStored, as vLLM sends them; so do consecutive removals."""
 
-    def __init__(self, endpoint: str, topic: str, rank: int, block_size: int, medium: str):
+    def __init__(self, endpoint: str, topic: str, rank: int, block_size: int, medium: str, wire_format: str = "array"):
+        if wire_format not in FORMATS:
+            raise ValueError(f"the KV events format must be one of {FORMATS}, got {wire_format!r}")
         self.rank = rank
+        if wire_format == "array":
+            self._stored = lambda h, p, t: BlockStored([h], p, t, block_size, None, medium)
+            self._removed, self._cleared = BlockRemoved, AllBlocksCleared
+        else:
+            self._stored = lambda h, p, t: MapBlockStored([h], p, t, block_size, None, medium, None)
+            self._removed, self._cleared = MapBlockRemoved, MapAllBlocksCleared
         self.block_size = block_size
         self.medium = medium
         self.endpoint = endpoint_for_rank(endpoint, rank)
@@ -112,25 +149,24 @@ class KVEventPublisher:
             self._context.term()
             raise ValueError(f"cannot publish KV events on {self.endpoint}: {e}") from None
         logger.info("engine core %d publishes KV-cache events on %s", rank, self.endpoint)
-        self._events.append(AllBlocksCleared())
+        self._events.append(self._cleared())
         self.flush()
 
     # ---- the block manager's observer interface --------------------------------------------
     def stored(self, block_hash: int, parent_hash: int | None, token_ids):
         last = self._events[-1] if self._events else None
-        if type(last) is BlockStored and last.block_hashes[-1] == parent_hash:
+        if isinstance(last, (BlockStored, MapBlockStored)) and last.block_hashes[-1] == parent_hash:
             last.block_hashes.append(block_hash)
             last.token_ids.extend(token_ids)
         else:
-            self._events.append(BlockStored([block_hash], parent_hash, list(token_ids), self.block_size, None,
-                                            self.medium))
+            self._events.append(self._stored(block_hash, parent_hash, list(token_ids)))
 
     def removed(self, block_hash: int):
         last = self._events[-1] if self._events else None
-        if type(last) is BlockRemoved:
+        if isinstance(last, (BlockRemoved, MapBlockRemoved)):
             last.block_hashes.append(block_hash)
         else:
-            self._events.append(BlockRemoved([block_hash], self.medium))
+            self._events.append(self._removed([block_hash], self.medium))
 
     # ---- publishing ------------------------------------------------------------------------
     def flush(self):

@@ -113,3 +113,21 @@ def test_hashes_above_63_bits_survive_the_wire():
     from nanovllm.engine.kv_events import BlockRemoved, EventBatch
     payload = msgspec.msgpack.encode(EventBatch(1.0, [BlockRemoved([2**64 - 1], None)], 0))
     assert msgspec.msgpack.decode(payload) == [1.0, [["BlockRemoved", [2**64 - 1], None]], 0]
+
+
+def test_the_map_format_tags_events_by_a_type_key():
+    """Later vLLM versions (and vllm-router) read each event as a map with its type under "type"."""
+    publisher = KVEventPublisher("inproc://kv-map-test", "", 0, 16, "GPU", "map")
+    try:
+        publisher.stored(11, None, range(16))
+        publisher.removed(11)
+        events = publisher._events
+        payload = msgspec.msgpack.encode(events)
+    finally:
+        publisher.close()
+    assert msgspec.msgpack.decode(payload) == [
+        {"type": "BlockStored", "block_hashes": [11], "parent_block_hash": None, "token_ids": list(range(16)),
+         "block_size": 16, "lora_id": None, "medium": "GPU", "lora_name": None},
+        {"type": "BlockRemoved", "block_hashes": [11], "medium": "GPU"}]
+    with pytest.raises(ValueError, match="format must be one of"):
+        KVEventPublisher("inproc://kv-bad", "", 0, 16, "GPU", "json")

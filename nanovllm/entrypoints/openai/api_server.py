@@ -79,6 +79,9 @@ def add_serve_arguments(p: argparse.ArgumentParser):
                         "routers: tcp://*:PORT binds, tcp://HOST:PORT connects; engine core i uses PORT+i "
                         "(needs pip install 'nanovllm[kv_events]')")
     p.add_argument("--kv-events-topic", default="", help="the ZMQ topic of the KV-cache events (default: none)")
+    p.add_argument("--kv-events-format", default="array", choices=["array", "map"],
+                   help="how events are encoded: 'array' (vLLM up to 0.10, llm-d's indexer) or 'map' (tagged maps, "
+                        "later vLLM) (default: array)")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     p.add_argument("--access-log", action="store_true", help="log every HTTP request")
     g = p.add_argument_group("engine options (nanovllm.config.Config)")
@@ -225,7 +228,8 @@ def run_server(args) -> int:
     _raise_open_files_limit(limit_concurrency)
     metrics = ServerMetrics(names[0], config.max_model_len)
     engine = DataParallelEngine(config, dp, args.max_waiting, [metrics.engine_listener(i) for i in range(dp)],
-                                kv_events_endpoint=args.kv_events_endpoint, kv_events_topic=args.kv_events_topic)
+                                kv_events_endpoint=args.kv_events_endpoint, kv_events_topic=args.kv_events_topic,
+                                kv_events_format=args.kv_events_format)
     logger.info("loading %s (%s) on %s%s", names[0], config.model, config.device,
                 f" ({dp} engine cores)" if dp > 1 else "")
     engine.start()
