@@ -4,6 +4,9 @@
     python bench.py --config benchmarks/configs/qwen3-8b.json
     python bench.py --model /path/to/Qwen3-0.6B        # real weights
     python bench.py --single              # one request: 128-token prompt, 512 new tokens, greedy
+    python bench.py --structured json     # also every request under one JSON schema (benchmarks/structured.py)
+    python bench.py --config benchmarks/configs/qwen3-8b.json --quantization fp8   # a Qwen3-8B-FP8 user's case
+    python bench.py --kv-cache-dtype fp8  # the KV cache in float8_e4m3fn
 
 Workload (nano-vllm's bench.py): random.seed(0); 256 prompts of randint(100, 1024) random token
 ids in [0, 10000], then max_tokens randint(100, 1024) each; temperature 0.6, ignore_eos. One
@@ -12,6 +15,7 @@ warm-up generate, then throughput = output tokens / wall time of one generate ca
 import argparse
 import gc
 import json
+import math
 import os
 import random
 import shutil
@@ -33,6 +37,22 @@ def workload(num_seqs: int, max_input: int, max_output: int):
     prompts = [[random.randint(0, 10000) for _ in range(random.randint(100, max_input))] for _ in range(num_seqs)]
     max_tokens = [random.randint(100, max_output) for _ in range(num_seqs)]
     return prompts, max_tokens
+
+
+def measure_fp8_matmul(device: torch.device) -> float:
+    """FP8 matmul FLOP/s: torch._scaled_mm on 8192^3 float8_e4m3fn with per-tensor scales (the library's
+    best FP8 rate), median of repeats; nan where there is none."""
+    if device.type != "cuda" or torch.cuda.get_device_capability(device) < (8, 9):
+        return float("nan")
+    import triton.testing
+    a = torch.randn(8192, 8192, device=device).to(torch.float8_e4m3fn)
+    b = torch.randn(8192, 8192, device=device).to(torch.float8_e4m3fn)
+    one = torch.ones((), device=device)
+    ms = triton.testing.do_bench(lambda: torch._scaled_mm(a, b.t(), scale_a=one, scale_b=one, out_dtype=torch.bfloat16),
+                                 warmup=50, rep=300, return_mode="median")
+    del a, b
+    torch.cuda.empty_cache()
+    return 2 * 8192 ** 3 / (ms * 1e-3)
 
 
 def measure_device(device: torch.device) -> tuple[float, float]:
@@ -92,34 +112,45 @@ class ScheduleRecorder:
         return out
 
 
-def roofline(cfg, steps, bandwidth: float, flops: float, dtype_bytes: int = 2) -> dict:
+def roofline(cfg, steps, bandwidth: float, flops: float, dtype_bytes: int = 2, fp8_weights: bool = False,
+             kv_dtype_bytes: int | None = None, fp8_flops: float | None = None) -> dict:
     """Ideal time of the recorded schedule: bytes every step must move over the measured bandwidth,
-    plus prefill FLOPs over the measured matmul rate."""
+    plus prefill FLOPs over the measured matmul rate. fp8_weights: the projections' weights are block
+    FP8 (one byte each plus an fp32 scale per 128x128 block; their FLOPs at fp8_flops when given);
+    kv_dtype_bytes: the KV cache's bytes per value (default: dtype_bytes)."""
     h, layers, vocab = cfg["hidden_size"], cfg["num_hidden_layers"], cfg["vocab_size"]
     heads, kv_heads = cfg["num_attention_heads"], cfg.get("num_key_value_heads", cfg["num_attention_heads"])
     d = cfg.get("head_dim") or h // heads
     inter = cfg["intermediate_size"]
-    layer_params = h * (heads + 2 * kv_heads) * d + heads * d * h + 3 * h * inter
-    weight_bytes = (layers * layer_params + vocab * h) * dtype_bytes  # every layer + the LM head
-    kv_token_bytes = 2 * layers * kv_heads * d * dtype_bytes
-    decode_bytes = prefill_flops = 0.0
+    projections = [((heads + 2 * kv_heads) * d, h), (h, heads * d), (2 * inter, h), (h, inter)]  # [N, K] each
+    layer_params = sum(n * k for n, k in projections)
+    if fp8_weights:
+        scales = sum(-(-n // 128) * -(-k // 128) for n, k in projections)
+        linear_bytes = layers * (layer_params + 4 * scales)
+    else:
+        linear_bytes = layers * layer_params * dtype_bytes
+    weight_bytes = linear_bytes + vocab * h * dtype_bytes  # every layer + the LM head
+    kv_token_bytes = 2 * layers * kv_heads * d * (kv_dtype_bytes or dtype_bytes)
+    linear_rate = fp8_flops if fp8_weights and fp8_flops and not math.isnan(fp8_flops) else flops
+    decode_bytes = prefill_flops = prefill_time = 0.0
     step_ideal = []
     for num_decodes, new, ctx, computed in steps:
         # Memory: weights once per step, plus the KV every decode row reads.
         step_bytes = weight_bytes + kv_token_bytes * sum(ctx[:num_decodes])
-        step_flops = 0.0
+        linear_flops = attention_flops = 0.0
         for n, start in zip(new[num_decodes:], computed[num_decodes:]):
-            step_flops += 2 * layer_params * layers * n
+            linear_flops += 2 * layer_params * layers * n
             # causal attention: QK^T and PV over each new token's context
-            step_flops += 4 * layers * heads * d * (n * start + n * (n + 1) / 2)
+            attention_flops += 4 * layers * heads * d * (n * start + n * (n + 1) / 2)
         decode_bytes += step_bytes
-        prefill_flops += step_flops
-        step_ideal.append(step_bytes / bandwidth + step_flops / flops)
+        prefill_flops += linear_flops + attention_flops
+        step_compute = linear_flops / linear_rate + attention_flops / flops
+        prefill_time += step_compute
+        step_ideal.append(step_bytes / bandwidth + step_compute)
     t_mem = decode_bytes / bandwidth
-    t_compute = prefill_flops / flops
     return {"weight_bytes_per_step": weight_bytes, "kv_bytes_per_token": kv_token_bytes,
             "bytes_moved": decode_bytes, "prefill_flops": prefill_flops,
-            "ideal_time_s": t_mem + t_compute, "steps": len(steps), "step_ideal_s": step_ideal}
+            "ideal_time_s": t_mem + prefill_time, "steps": len(steps), "step_ideal_s": step_ideal}
 
 
 def step_walls(times: list[float], end: float) -> list[float]:
@@ -154,6 +185,11 @@ def model_dir(args) -> tuple[str, dict, str]:
             return args.model, json.load(f), "auto"
     tmp = tempfile.mkdtemp(prefix="nanovllm-bench-")
     shutil.copy(args.config, os.path.join(tmp, "config.json"))
+    if args.structured:  # constraints need a tokenizer beside the random weights
+        from nanovllm.models.model_path import resolve_model_path
+        source = args.tokenizer or resolve_model_path(None)
+        for name in ("tokenizer.json", "tokenizer_config.json"):
+            shutil.copy(os.path.join(source, name), os.path.join(tmp, name))
     with open(args.config) as f:
         return tmp, json.load(f), "dummy"
 
@@ -173,6 +209,10 @@ def main():
     ap.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
     ap.add_argument("--device", default="auto")
     ap.add_argument("--dtype", default="auto")
+    ap.add_argument("--quantization", choices=["fp8"], default=None,
+                    help="fp8: block-FP8 weights (an FP8 checkpoint's format; random or plain weights are quantized "
+                         "to it at load)")
+    ap.add_argument("--kv-cache-dtype", default="auto", help="auto (the model dtype) or fp8 (float8_e4m3fn)")
     ap.add_argument("--top-p", type=float, default=1.0,
                     help="sampling filter to price (default: off; with --single the request then samples at 0.6)")
     ap.add_argument("--top-k", type=int, default=-1)
@@ -194,6 +234,11 @@ def main():
     ap.add_argument("--alloc-trace", action="store_true",
                     help="record where the timed run's device allocations (cudaMalloc) come from (slows the run)")
     ap.add_argument("--trace", metavar="FILE", help="with --profile: write the run's chrome trace to FILE")
+    ap.add_argument("--structured", choices=["json"],
+                    help="after the timed run, the same requests under one JSON schema against them unconstrained "
+                         "(alternated --repeat times): decode-step times, mask-fill time, compile times")
+    ap.add_argument("--tokenizer", help="with --structured and random weights: a directory with tokenizer.json and "
+                                        "tokenizer_config.json (default: the embedded SmolLM2's)")
     args = ap.parse_args()
 
     path, cfg, load_format = model_dir(args)
@@ -201,13 +246,18 @@ def main():
     # otherwise also drop the activation memory the engine keeps in the allocator.
     want = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
     bandwidth, flops = measure_device(torch.device(want))
+    fp8_weights = args.quantization == "fp8" or (cfg.get("quantization_config") or {}).get("quant_method") == "fp8"
+    fp8_flops = measure_fp8_matmul(torch.device(want)) if fp8_weights else float("nan")
     engine_start = time.perf_counter()
     memory = {} if args.gpu_memory_utilization is None else {"gpu_memory_utilization": args.gpu_memory_utilization}
     llm = LLM(path, enforce_eager=args.enforce_eager, max_model_len=args.max_model_len, load_format=load_format,
-              device=args.device, dtype=args.dtype, tensor_parallel_size=args.tensor_parallel_size, **memory)
+              device=args.device, dtype=args.dtype, tensor_parallel_size=args.tensor_parallel_size,
+              quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype, **memory)
     device = llm.config.device
+    quant = llm.config.quant_config.name if llm.config.quant_config is not None else None
     print(f"num_kvcache_blocks={llm.config.num_kvcache_blocks} block_size={llm.config.kvcache_block_size} "
-          f"dtype={llm.config.torch_dtype} device={device} start-up={time.perf_counter() - engine_start:.1f}s")
+          f"dtype={llm.config.torch_dtype} quantization={quant} kv_cache_dtype={llm.config.kv_cache_torch_dtype} "
+          f"device={device} start-up={time.perf_counter() - engine_start:.1f}s")
 
     if args.single:
         random.seed(0)
@@ -262,32 +312,44 @@ def main():
         prefill = prefill_walls(recorder.steps[first_step:], step_walls(recorder.times[first_step:], again + took))
         print(f"repeat {i} (fresh prompt tokens): {took:.2f}s, {sum(p.max_tokens for p in params) / took:,.0f} tok/s; "
               f"prefill/mixed {sum(prefill):.3f}s, step walls (ms): " + " ".join(f"{1e3 * w:.1f}" for w in prefill))
+    if args.structured:
+        from benchmarks import structured
+        structured_result = structured.compare(llm, prompts, params, args.repeat)
+        structured.report(structured_result)
     out_tokens = sum(len(o["token_ids"]) for o in outputs)
     assert out_tokens == sum(p.max_tokens for p in params)
     throughput = out_tokens / elapsed
     dtype_bytes = torch.tensor([], dtype=llm.config.torch_dtype).element_size()
     # Tensor parallelism: each rank moves and computes its shard, so the ideal is the ranks' sum.
     tp = args.tensor_parallel_size
-    roof = roofline(cfg, steps, bandwidth * tp, flops * tp, dtype_bytes)
+    kv_bytes = torch.tensor([], dtype=llm.config.kv_cache_torch_dtype).element_size()
+    roof = roofline(cfg, steps, bandwidth * tp, flops * tp, dtype_bytes, fp8_weights=quant == "fp8",
+                    kv_dtype_bytes=kv_bytes, fp8_flops=fp8_flops * tp)
     ideal_tput = out_tokens / roof["ideal_time_s"]
     result = {
         "mode": "single" if args.single else "throughput", "model": args.model or os.path.basename(args.config),
         "prompts": len(prompts), "prompt_tokens": sum(map(len, prompts)), "output_tokens": out_tokens,
         "time_s": elapsed, "throughput_tok_s": throughput, "steps": roof["steps"],
+        "quantization": quant, "kv_cache_dtype": str(llm.config.kv_cache_torch_dtype),
         "measured_bandwidth_TBps": bandwidth / 1e12, "measured_matmul_TFLOPs": flops / 1e12,
+        "measured_fp8_matmul_TFLOPs": fp8_flops / 1e12,
         "ideal_time_s": roof["ideal_time_s"], "roofline_tok_s": ideal_tput,
         "fraction_of_roofline": throughput / ideal_tput, "enforce_eager": args.enforce_eager,
         "tensor_parallel_size": args.tensor_parallel_size,
         "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         "breakdown": step_breakdown(steps, times, start + elapsed, roof["step_ideal_s"]),
     }
+    if args.structured:
+        result["structured"] = structured_result
     if args.steps_json:
         walls = step_walls(times, start + elapsed)
         with open(args.steps_json, "w") as f:
             json.dump([{"decode_rows": nd, "tokens": sum(new), "wall_ms": 1e3 * w, "ideal_ms": 1e3 * ideal}
                        for (nd, new, _, _), w, ideal in zip(steps, walls, roof["step_ideal_s"])], f)
     print(f"Total: {out_tokens} tok, Time: {elapsed:.2f}s, Throughput: {throughput:,.0f} tok/s")
-    print(f"Roofline (measured {bandwidth / 1e12:.2f} TB/s, {flops / 1e12:.0f} TFLOP/s" + (f" per GPU x {tp}" if tp > 1 else "")
+    fp8_rate = f", FP8 {fp8_flops / 1e12:.0f} TFLOP/s" if fp8_flops == fp8_flops else ""  # not nan
+    print(f"Roofline (measured {bandwidth / 1e12:.2f} TB/s, {flops / 1e12:.0f} TFLOP/s{fp8_rate}"
+          + (f" per GPU x {tp}" if tp > 1 else "")
           + f", {roof['steps']} steps): "
           f"ideal {roof['ideal_time_s']:.2f}s = {ideal_tput:,.0f} tok/s; achieved {throughput / ideal_tput:.1%}")
     print(f"  before the first step {1e3 * (times[0] - start):.1f} ms; prefill/mixed step walls (ms): " + " ".join(

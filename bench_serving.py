@@ -11,6 +11,17 @@ request and token throughput, TTFT, TPOT, ITL and end-to-end latency (mean, p50,
 TTFT: request sent -> first streamed token. ITL: gaps between streamed chunks. TPOT: (latency -
 TTFT) / (output tokens - 1), per request. Output tokens are the server's reported usage
 (`ignore_eos` makes every request generate exactly --output-len tokens).
+
+`--multi-turn`: chat conversations instead (`--num-prompts` of them, `--turns` each), all opening
+with one system prompt of `--system-len` tokens; each turn's prompt is the conversation so far (the
+previous prompt and the model's answer) plus a new user message of `--input-len` tokens, sent when
+the previous answer has arrived. Conversations start at once, or at `--request-rate` per second,
+at most `--concurrency` at a time; an untimed warm-up sends the system prompt alone first (a
+production server has it cached). Reports the prefix-cache hit rate in tokens (the server's
+`usage.prompt_tokens_details.cached_tokens` over prompt tokens) beside the ideal one (every token a
+prompt shares with an earlier one reused) and TTFT. The answers' token ids come back as the
+logprobs' tokens (`logprobs: 0`), which a server without a tokenizer spells as ids; a server that
+spells text gets synthetic answers in the history instead, and the ideal counts the prompts only.
 """
 import argparse
 import asyncio
@@ -35,6 +46,8 @@ class Result:
     ttft: float = 0.0
     latency: float = 0.0
     itl: list[float] = field(default_factory=list)
+    cached_tokens: int = 0  # prompt tokens the server served from its prefix cache (usage)
+    token_ids: list[int] | None = None  # the answer, with --multi-turn (None: the server spells text)
 
 
 def parse_range(text: str) -> tuple[int, int]:
@@ -45,10 +58,14 @@ def parse_range(text: str) -> tuple[int, int]:
     return lo, hi
 
 
-async def one_request(client: httpx.AsyncClient, args, model: str, prompt: list[int], output_len: int) -> Result:
+async def one_request(client: httpx.AsyncClient, args, model: str, prompt: list[int], output_len: int,
+                      want_tokens: bool = False) -> Result:
     body = {"model": model, "prompt": prompt, "max_tokens": output_len, "temperature": args.temperature,
             "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+    if want_tokens:
+        body["logprobs"] = 0
     result = Result(prompt_len=len(prompt))
+    tokens = []
     start = last = result.sent = time.perf_counter()
     first_choice = None  # when the first chunk with a choice came
     try:
@@ -65,6 +82,9 @@ async def one_request(client: httpx.AsyncClient, args, model: str, prompt: list[
                     return result
                 if data.get("usage"):
                     result.output_tokens = data["usage"]["completion_tokens"]
+                    result.cached_tokens = (data["usage"].get("prompt_tokens_details") or {}).get("cached_tokens") or 0
+                for c in data.get("choices", []) if want_tokens else ():
+                    tokens += (c.get("logprobs") or {}).get("tokens") or []
                 if first_choice is None and data.get("choices"):
                     first_choice = time.perf_counter()
                 # A chunk per generated token counts, even with empty text (a model without a
@@ -85,6 +105,8 @@ async def one_request(client: httpx.AsyncClient, args, model: str, prompt: list[
         result.ok = result.output_tokens > 0
         if not result.ok:
             result.error = "no usage in the stream"
+        if want_tokens and len(tokens) == result.output_tokens and all(t.isdigit() for t in tokens):
+            result.token_ids = [int(t) for t in tokens]
     except (httpx.HTTPError, json.JSONDecodeError) as e:
         result.error = f"{type(e).__name__}: {e}"
     return result
@@ -96,18 +118,23 @@ def _client(args) -> httpx.AsyncClient:
     return httpx.AsyncClient(base_url=args.base_url, headers=headers, timeout=None, limits=limits)
 
 
-async def prepare(args) -> tuple[str, list[tuple[list[int], int]]]:
-    """The served model's name and the request list (seeded), after the untimed warm-up."""
+async def served_model(args) -> tuple[str, int]:
+    """The served model's name and the token ids to draw prompts from (the lowest ids, usually
+    special tokens, are skipped)."""
     async with _client(args) as client:
         card = (await client.get("/v1/models")).raise_for_status().json()["data"][0]
-        model = args.model or card["id"]
-        vocab = args.vocab_size or card.get("vocab_size") or 1000
-        rng = random.Random(args.seed)
-        # Skip the lowest ids, which are usually special tokens.
-        lo_id, hi_id = min(100, vocab // 4), vocab
-        requests = [([rng.randrange(lo_id, hi_id) for _ in range(rng.randint(*args.input_len))],
-                     rng.randint(*args.output_len)) for _ in range(args.num_prompts)]
-        if args.warmup:
+    vocab = args.vocab_size or card.get("vocab_size") or 1000
+    return args.model or card["id"], (min(100, vocab // 4), vocab)
+
+
+async def prepare(args) -> tuple[str, list[tuple[list[int], int]]]:
+    """The served model's name and the request list (seeded), after the untimed warm-up."""
+    model, (lo_id, hi_id) = await served_model(args)
+    rng = random.Random(args.seed)
+    requests = [([rng.randrange(lo_id, hi_id) for _ in range(rng.randint(*args.input_len))],
+                 rng.randint(*args.output_len)) for _ in range(args.num_prompts)]
+    if args.warmup:
+        async with _client(args) as client:
             await one_request(client, args, model, requests[0][0], 4)
     return model, requests
 
@@ -158,6 +185,104 @@ def run(args) -> tuple[list[Result], float, str]:
     for i, (shard, _, _) in enumerate(shards):
         results[i::n] = shard
     return results, max(end for _, _, end in shards) - min(start for _, start, _ in shards), model
+
+
+# ---- --multi-turn ------------------------------------------------------------------------------
+@dataclass
+class Turn:
+    conversation: int
+    turn: int
+    shared: int  # prompt tokens shared with earlier prompts and answers: what an ideal cache reuses
+    result: Result
+
+
+async def chat(client, args, model: str, system: list[int], turns, index: int, out: list[Turn], rng, ids):
+    """One conversation: each turn's prompt is the history (every prompt and answer so far) plus
+    the next user message, sent once the previous answer is complete."""
+    history, shared = list(system), len(system) if args.warmup else 0  # the warm-up sent the system prompt
+    for turn, (message, output_len) in enumerate(turns):
+        prompt = history + message
+        result = await one_request(client, args, model, prompt, output_len, want_tokens=True)
+        out.append(Turn(index, turn, min(shared, len(prompt) - 1), result))  # the last prompt token is computed
+        if not result.ok:
+            return
+        answer = result.token_ids
+        if answer is None:  # the server spelled it as text: a stand-in the server has never seen
+            history, shared = prompt + [rng.randrange(*ids) for _ in range(result.output_tokens)], len(prompt)
+        else:
+            history = prompt + answer
+            shared = len(history)
+
+
+async def drive_multi_turn(args) -> tuple[list[Turn], float, str]:
+    model, ids = await served_model(args)
+    rng = random.Random(args.seed)
+    system = [rng.randrange(*ids) for _ in range(args.system_len)]
+    def message():
+        return [rng.randrange(*ids) for _ in range(rng.randint(*args.input_len))], rng.randint(*args.output_len)
+    conversations = [[message() for _ in range(rng.randint(*args.turns))] for _ in range(args.num_prompts)]
+    turns: list[Turn] = []
+    async with _client(args) as client:
+        if args.warmup:  # a server in production has the system prompt cached
+            await one_request(client, args, model, system, 1)
+        gate = asyncio.Semaphore(args.concurrency) if args.concurrency else None
+
+        async def limited(i, conversation):
+            talk = chat(client, args, model, system, conversation, i, turns, random.Random(args.seed + i), ids)
+            if gate is None:
+                return await talk
+            async with gate:
+                return await talk
+
+        start = time.perf_counter()
+        tasks = []
+        for i, conversation in enumerate(conversations):
+            tasks.append(asyncio.create_task(limited(i, conversation)))
+            if args.request_rate != float("inf"):
+                await asyncio.sleep(rng.expovariate(args.request_rate))  # conversations start as a Poisson process
+        await asyncio.gather(*tasks)
+        return turns, time.perf_counter() - start, model
+
+
+def report_multi_turn(args, turns: list[Turn], duration: float, model: str) -> dict:
+    ok = [t for t in turns if t.result.ok]
+    prompt_tokens = sum(t.result.prompt_len for t in ok)
+    cached = sum(t.result.cached_tokens for t in ok)
+    ideal = sum(t.shared for t in ok)
+    echoed = all(t.result.token_ids is not None for t in ok)
+    summary = {
+        "model": model, "mode": "multi-turn", "conversations": args.num_prompts, "requests": len(turns),
+        "successful": len(ok), "failed": len(turns) - len(ok), "duration_s": duration,
+        "system_len": args.system_len, "prompt_tokens": prompt_tokens, "cached_tokens": cached,
+        "output_tokens": sum(t.result.output_tokens for t in ok), "answers_echoed": echoed,
+        "hit_rate": cached / prompt_tokens if prompt_tokens else 0.0,
+        "ideal_hit_rate": ideal / prompt_tokens if prompt_tokens else 0.0,
+        "ttft_ms": {k: v * 1e3 for k, v in percentiles([t.result.ttft for t in ok]).items()},
+        "ttft_ms_first_turns": {k: v * 1e3 for k, v in percentiles([t.result.ttft for t in ok if t.turn == 0]).items()},
+        "ttft_ms_later_turns": {k: v * 1e3 for k, v in percentiles([t.result.ttft for t in ok if t.turn > 0]).items()},
+        "e2e_latency_ms": {k: v * 1e3 for k, v in percentiles([t.result.latency for t in ok]).items()},
+        "turns": [{"conversation": t.conversation, "turn": t.turn, "prompt_len": t.result.prompt_len,
+                   "output_tokens": t.result.output_tokens, "cached_tokens": t.result.cached_tokens,
+                   "shared_tokens": t.shared, "ttft_ms": t.result.ttft * 1e3} for t in ok],
+    }
+    line = "=" * 60
+    print(f"{line}\n{'Multi-turn serving benchmark':^60}\n{line}")
+    rows = [("Model", model), ("Conversations / requests", f"{args.num_prompts} / {len(turns)}"),
+            ("Successful / failed requests", f"{len(ok)} / {len(turns) - len(ok)}"),
+            ("Benchmark duration (s)", f"{duration:.2f}"), ("Prompt tokens", prompt_tokens),
+            ("Cached prompt tokens", cached), ("Prefix hit rate (tokens)", f"{summary['hit_rate']:.2%}"),
+            ("Ideal hit rate (tokens)", f"{summary['ideal_hit_rate']:.2%}" + ("" if echoed else " (prompts only)"))]
+    for name, value in rows:
+        print(f"{name + ':':<40}{value:>20}")
+    for key, title in (("ttft_ms", "Time to first token"), ("ttft_ms_first_turns", "TTFT, first turns"),
+                       ("ttft_ms_later_turns", "TTFT, later turns")):
+        print(f"{title:-^60}")
+        for stat in ("mean", "p50", "p99"):
+            print(f"{stat.upper() if stat == 'mean' else stat} (ms):".ljust(40) + f"{summary[key][stat]:>20.2f}")
+    print(line)
+    for t in [t for t in turns if not t.result.ok][:5]:
+        print(f"failed: {t.result.error}", file=sys.stderr)
+    return summary
 
 
 def percentiles(values: list[float]) -> dict[str, float]:
@@ -248,12 +373,22 @@ def main(argv=None) -> int:
     p.add_argument("--no-warmup", dest="warmup", action="store_false", help="skip the untimed warm-up request")
     p.add_argument("--json-out", default=None, help="also write the summary here as JSON")
     p.add_argument("--processes", type=int, default=1, help="client processes sharing the requests (default 1)")
+    p.add_argument("--multi-turn", action="store_true",
+                   help="chat conversations (--num-prompts of them) with a shared system prompt and growing histories")
+    p.add_argument("--turns", type=parse_range, default=(4, 8), help="--multi-turn: turns per conversation, N or LO:HI")
+    p.add_argument("--system-len", type=int, default=1000, help="--multi-turn: tokens of the shared system prompt")
     args = p.parse_args(argv)
     if (args.num_prompts < 1 or (args.concurrency is not None and args.concurrency < 1) or args.request_rate <= 0
             or args.processes < 1):
         p.error("--num-prompts, --concurrency and --processes must be >= 1, --request-rate > 0")
-    results, duration, model = run(args)
-    summary = report(args, results, duration, model)
+    if args.multi_turn:
+        if args.processes != 1:
+            p.error("--multi-turn runs in one client process: leave --processes at 1")
+        if args.system_len < 1:
+            p.error("--system-len must be >= 1")
+        summary = report_multi_turn(args, *asyncio.run(drive_multi_turn(args)))
+    else:
+        summary = report(args, *run(args))
     if args.json_out:
         with open(args.json_out, "w") as f:
             json.dump(summary, f, indent=2)

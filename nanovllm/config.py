@@ -5,6 +5,7 @@ from dataclasses import dataclass, fields
 import torch
 from transformers import AutoConfig, PretrainedConfig
 
+_KV_CACHE_DTYPES = {"auto": None, "fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn}
 _DTYPES = {
     "float32": torch.float32, "fp32": torch.float32, "float": torch.float32,
     "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
@@ -33,6 +34,14 @@ class Config:
     seed: int = 0
     kv_cache_memory_bytes: int | None = None
     attention_backend: str = "auto"
+    # Splits a reasoning model's thinking from its answer (nanovllm.reasoning): constraints apply after it.
+    reasoning_parser: str | None = None
+    # "auto": the KV cache in the model dtype; "fp8" (or "fp8_e4m3"): float8_e4m3fn, twice the tokens
+    # for the same memory, with the checkpoint's k/v scales if it has them (else 1.0).
+    kv_cache_dtype: str = "auto"
+    # None: as the checkpoint is (its config.json's quantization_config, if any); "fp8": block-FP8
+    # weights, quantized once loaded when the checkpoint (or load_format="dummy") has plain ones.
+    quantization: str | None = None
 
     def __post_init__(self):
         if not isinstance(self.model, str) or not self.model:
@@ -61,11 +70,25 @@ class Config:
             raise ValueError(f"load_format must be 'auto', 'safetensors' or 'dummy', got {self.load_format!r}")
         if self.attention_backend not in ("auto", "torch", "triton"):
             raise ValueError(f"attention_backend must be 'auto', 'torch' or 'triton', got {self.attention_backend!r}")
+        from nanovllm.reasoning import REASONING_PARSERS
+        if self.reasoning_parser is not None and self.reasoning_parser not in REASONING_PARSERS:
+            raise ValueError(f"reasoning_parser must be one of {sorted(REASONING_PARSERS)} or None, "
+                             f"got {self.reasoning_parser!r}")
+        if self.kv_cache_dtype not in _KV_CACHE_DTYPES:
+            hint = " (only e4m3 FP8 caches are supported)" if self.kv_cache_dtype == "fp8_e5m2" else ""
+            raise ValueError(f"kv_cache_dtype must be one of {sorted(_KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}"
+                             + hint)
 
         self.device = resolve_device(self.device)
         if self.hf_config is None:
             self.hf_config = AutoConfig.from_pretrained(self.model)
         self.torch_dtype = resolve_dtype(self.dtype, self.hf_config, self.device)
+        self.kv_cache_torch_dtype = _KV_CACHE_DTYPES[self.kv_cache_dtype] or self.torch_dtype
+        from nanovllm.layers.quantization import resolve_quantization  # imported on use, as the model checks below
+        self.quant_config = resolve_quantization(self.quantization, self.hf_config, self.load_format)
+        if self.quant_config is not None:
+            from nanovllm.models.llama import check_block_quantization
+            check_block_quantization(self.hf_config, self.tensor_parallel_size)
         max_pos = getattr(self.hf_config, "max_position_embeddings", None)
         if max_pos:
             self.max_model_len = min(self.max_model_len, max_pos)

@@ -2,6 +2,8 @@
 import math
 from dataclasses import dataclass, field
 
+from nanovllm.structured_output.params import StructuredOutputsParams
+
 _INT32_MAX = 2**31 - 1
 GREEDY_BELOW = 1e-5  # temperatures below this draw greedily (the argmax)
 # Upper bounds vLLM does not set (it checks finiteness only). Past a temperature of 100 the logit
@@ -32,6 +34,9 @@ class SamplingParams:
     logprobs: int | None = None
     n: int = 1
     skip_special_tokens: bool = True
+    # OpenAI's: token id -> a bias in [-100, 100] added to its logit before sampling.
+    logit_bias: dict[int, float] | None = None
+    structured_outputs: StructuredOutputsParams | None = None
     stop_list: list[str] = field(init=False, repr=False)
 
     def __post_init__(self):
@@ -76,6 +81,18 @@ class SamplingParams:
             raise ValueError(f"stop_token_ids must be a list of non-negative token ids, got {self.stop_token_ids!r}")
         else:
             self.stop_token_ids = list(self.stop_token_ids)
+        if self.logit_bias is not None:
+            if not isinstance(self.logit_bias, dict):
+                raise ValueError(f"logit_bias must be a dict of token id -> bias, got {self.logit_bias!r}")
+            for token, bias in self.logit_bias.items():
+                if isinstance(token, bool) or not isinstance(token, int) or not 0 <= token <= _INT32_MAX:
+                    raise ValueError(f"logit_bias keys must be non-negative token ids, got {token!r}")
+                if not (_is_number(bias) and -100 <= bias <= 100):
+                    raise ValueError(f"logit_bias values must be numbers in [-100, 100], got {bias!r} for token {token}")
+            self.logit_bias = {t: float(b) for t, b in self.logit_bias.items()} or None
+        if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
+            raise ValueError("structured_outputs must be a StructuredOutputsParams, "
+                             f"got {type(self.structured_outputs).__name__}")
 
     @property
     def greedy(self) -> bool:
@@ -92,8 +109,10 @@ class SamplingParams:
 
     @property
     def plain(self) -> bool:
-        """Temperature (or greedy) alone: the sampler's default draw, which CUDA graphs capture."""
-        return not (self.uses_filters or self.uses_penalties or self.logprobs is not None or self.min_tokens > 0)
+        """Temperature (or greedy) alone, maybe under a grammar's mask: the sampler's default draw,
+        which CUDA graphs capture."""
+        return not (self.uses_filters or self.uses_penalties or self.logprobs is not None or self.min_tokens > 0
+                    or self.logit_bias is not None)
 
 
 def _is_number(v) -> bool:

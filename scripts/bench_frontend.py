@@ -41,6 +41,8 @@ class _Sampled:
     """A step's output as LLMEngine reads it: its sampling rows, and their tokens once the stand-in
     device has finished the step."""
 
+    awaits_masks = False  # the benchmark sends no grammars
+
     def __init__(self, seqs, ready_at: float):
         self.seqs, self.ready_at = seqs, ready_at
 
@@ -64,7 +66,7 @@ class StandInDeviceEngine(LLMEngine):
         self._device_free_at = 0.0
         self.model_runner.execute = self._execute
 
-    def _execute(self, batch):
+    def _execute(self, batch, defer_sampling: bool = False):
         seqs = [seq for i, seq in enumerate(batch.seqs) if batch.samples(i)]
         prefill_tokens = batch.num_tokens - batch.num_decodes
         start = max(time.perf_counter(), self._device_free_at)

@@ -14,6 +14,9 @@
 #             carry .whl (CLIENT_PROCESSES=N client processes at concurrency 256, default 4)
 #   tp        the tensor-parallel GPU tests (two GPUs)
 #   bench8btp Qwen3-8B over two GPUs (python bench.py -tp 2)
+#   fp8       the FP8 kernel tests and GPU tests, then full-size FP8 kernel checks and timings (scripts/fp8_kernels.py)
+#   bench8bfp8  Qwen3-8B with block-FP8 weights (bench.py --quantization fp8), workload and single request
+#   benchkvfp8  Qwen3-0.6B with the FP8 KV cache (bench.py --kv-cache-dtype fp8)
 set -o pipefail
 OUTDIR=${1:-${OUT:-/tmp/nanovllm-gpu}}
 mkdir -p "$OUTDIR"
@@ -61,6 +64,15 @@ for stage in $STAGES; do
     serving)   serving || status=1 ;;
     tp)        run tp python3 -m pytest tests/gpu/test_tensor_parallel_gpu.py -q -p no:cacheprovider --durations=8 ;;
     bench8btp) run bench8btp python3 bench.py --config benchmarks/configs/qwen3-8b.json -tp 2 --json "$OUTDIR/bench_qwen3_8b_tp2.json" ;;
+    fp8)
+      run fp8_tests python3 -m pytest tests/kernels/test_fp8_gemm.py tests/kernels/test_fp8_quant.py \
+        tests/kernels/test_fp8_kv_cache.py tests/gpu/test_fp8_gpu.py -q -p no:cacheprovider --durations=5
+      run fp8_kernels python3 scripts/fp8_kernels.py ;;
+    bench8bfp8)
+      run bench8b_fp8 python3 bench.py --config benchmarks/configs/qwen3-8b.json --quantization fp8 --json "$OUTDIR/bench_qwen3_8b_fp8.json"
+      run single8b_fp8 python3 bench.py --config benchmarks/configs/qwen3-8b.json --quantization fp8 --single --json "$OUTDIR/single_qwen3_8b_fp8.json"
+      run single8b python3 bench.py --config benchmarks/configs/qwen3-8b.json --single --json "$OUTDIR/single_qwen3_8b.json" ;;
+    benchkvfp8) run bench_kvfp8 python3 bench.py --kv-cache-dtype fp8 --json "$OUTDIR/bench_qwen3_0.6b_kvfp8.json" ;;
     *) echo "unknown stage $stage"; status=1 ;;
   esac
 done

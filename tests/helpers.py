@@ -17,7 +17,23 @@ _CORPUS = [
 ] * 20
 
 
-def make_tokenizer(path: str, vocab_size: int = 400):
+# A Qwen3-like chat template, trimmed: tools listed in the system turn, assistant tool calls as
+# <tool_call> blocks, tool results as <tool_response> user turns, and enable_thinking=False closing
+# an empty <think> block in the generation prompt.
+QWEN3_LIKE = (
+    "{%- if tools %}<|im_start|>system\n{% if messages[0]['role'] == 'system' %}{{ messages[0]['content'] }}\n\n{% endif %}"
+    "# Tools\n<tools>{% for tool in tools %}\n{{ tool | tojson }}{% endfor %}\n</tools><|im_end|>\n"
+    "{%- elif messages[0]['role'] == 'system' %}<|im_start|>system\n{{ messages[0]['content'] }}<|im_end|>\n{% endif %}"
+    "{%- for m in messages %}{% if m['role'] == 'tool' %}<|im_start|>user\n<tool_response>\n{{ m['content'] }}"
+    "\n</tool_response><|im_end|>\n{% elif m['role'] != 'system' %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}"
+    "{% for c in m.get('tool_calls', []) %}\n<tool_call>\n{\"name\": \"{{ c['function']['name'] }}\", \"arguments\": "
+    "{{ c['function']['arguments'] | tojson }}}\n</tool_call>{% endfor %}<|im_end|>\n{% endif %}{% endfor %}"
+    "{%- if add_generation_prompt %}<|im_start|>assistant\n{% if enable_thinking is defined and not enable_thinking %}"
+    "<think>\n\n</think>\n\n{% endif %}{% endif %}")
+REASONING_TOKENS = ["<think>", "</think>", "<tool_call>", "</tool_call>"]
+
+
+def make_tokenizer(path: str, vocab_size: int = 400, extra_tokens=(), chat_template: str = CHATML):
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
@@ -26,7 +42,8 @@ def make_tokenizer(path: str, vocab_size: int = 400):
     tok.train_from_iterator(_CORPUS, trainer)
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>",
                                    bos_token=None)
-    fast.chat_template = CHATML
+    fast.add_tokens(list(extra_tokens))  # plain (not special) added tokens, as Qwen3's <think>
+    fast.chat_template = chat_template
     fast.save_pretrained(path)
     return fast
 
@@ -64,6 +81,14 @@ def make_model(path: str, arch: str, with_tokenizer: bool = True, seed: int = 0)
         model.config.eos_token_id = tok.eos_token_id
         model.generation_config.eos_token_id = tok.eos_token_id
     model.save_pretrained(path, safe_serialization=True)
+    return path
+
+
+def make_reasoning_model(path: str) -> str:
+    """The tiny random Qwen3 with <think>, </think>, <tool_call>, </tool_call> as single tokens and
+    the Qwen3-like template."""
+    make_model(path, "qwen3")
+    make_tokenizer(path, extra_tokens=REASONING_TOKENS, chat_template=QWEN3_LIKE)
     return path
 
 
@@ -109,6 +134,30 @@ def assert_greedy_match(ours: list[int], hf_tokens: list[int], hf_scores: list[t
     assert len(ours) == len(hf_tokens), f"{what}: lengths differ: {len(ours)} vs {len(hf_tokens)}"
 
 
+def check_block_manager(bm, live):
+    """A BlockManager's invariants, given the sequences that hold blocks: reference counts equal
+    the block tables (plus the pinned copy sources); the free list holds exactly the unreferenced
+    blocks; the prefix index is sorted and agrees with the blocks."""
+    refs = [0] * bm.num_blocks
+    for seq in live:
+        for b in seq.block_table:
+            refs[b] += 1
+    for b in bm._pinned:
+        refs[b] += 1
+    assert [blk.ref_count for blk in bm.blocks] == refs
+    assert set(bm.free_blocks) == {i for i, r in enumerate(refs) if r == 0}
+    indexed = set()
+    for parent, entries in bm.children.items():
+        assert entries == sorted(entries) and entries
+        for tokens, b in entries:
+            blk = bm.blocks[b]
+            assert blk.token_ids == tokens and blk.parent == parent and b not in indexed
+            indexed.add(b)
+    assert indexed == {blk.block_id for blk in bm.blocks if blk.token_ids is not None}
+    assert all(bm.blocks[b].hash == h and len(bm.blocks[b].token_ids) == bm.block_size
+               for h, b in bm.hash_to_block.items())
+
+
 # ---- processes, from /proc (psutil-free) ------------------------------------------------------
 def _process_table() -> dict[int, tuple[int, str]]:
     """pid -> (parent pid, state letter) of every process."""
@@ -143,3 +192,74 @@ def descendants(pid: int) -> list[int]:
         found += sorted(frontier)
     return found
 
+
+
+def whitespace_token_ids(tokenizer) -> list[int]:
+    """Tokens whose text is only whitespace: a random model under a JSON grammar (which allows any
+    whitespace between elements) can loop on them; `logit_bias` keeps it from doing so in tests."""
+    return [i for i in range(len(tokenizer)) if (t := tokenizer.decode([i])) and not t.strip()]
+
+
+def script_model(engine, token_ids: list[int]):
+    """Make the engine's model "write" token_ids, then eos: at output position i the logits of
+    token_ids[i] get +1000, so a greedy request follows the script wherever a grammar mask allows
+    it (and its own logits decide where not). For tests of output parsing."""
+    sampler = engine.model_runner.sampler
+    script = torch.tensor(list(token_ids) + [engine.config.eos])
+    inner = getattr(sampler, "_unscripted", sampler.sample)
+    sampler._unscripted = inner
+
+    def sample(logits, meta):
+        pos = meta.offsets.clamp(max=len(script) - 1)
+        logits = logits.clone()
+        logits[torch.arange(len(pos)), script.to(logits.device)[pos]] += 1000.0
+        return inner(logits, meta)
+    sampler.sample = sample
+
+
+# ---- block-FP8 checkpoints ---------------------------------------------------------------------
+FP8_QUANTIZATION_CONFIG = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                           "weight_block_size": [128, 128]}
+# A tiny Qwen3 whose linears quantize into 128x128 blocks, with partial blocks at the hidden size's
+# edges (200 = 128 + 72). Fused partitions fill whole blocks (q 4x128, k/v 2x128, gate/up 256), also
+# per rank under tensor_parallel_size=2 (vLLM's rule for block-quantized shards).
+FP8_QWEN3 = dict(vocab_size=512, hidden_size=200, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, head_dim=128, max_position_embeddings=1024, tie_word_embeddings=False,
+                 rope_theta=10000.0)
+_FP8_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def make_fp8_model(path: str, ref_path: str, seed: int = 0, kv_scales: dict | None = None, **overrides) -> str:
+    """A random Qwen3 written as a block-FP8 checkpoint at `path` (float8 weights + weight_scale_inv,
+    quantization_config in config.json, a tokenizer), and the same model with those weights dequantized
+    (weight * scale, fp32) as a plain checkpoint at `ref_path`, HF transformers' reference.
+    kv_scales: optional extra tensors (e.g. `model.layers.0.self_attn.k_scale`) for the FP8 checkpoint."""
+    import json
+
+    from safetensors.torch import save_file
+
+    from nanovllm.layers.quantization.fp8 import dequantize_weight_blocks, quantize_weight_blocks
+    config = Qwen3Config(**{**FP8_QWEN3, **overrides})
+    config.initializer_range = 0.25
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    tok = make_tokenizer(path)
+    model.config.eos_token_id = model.generation_config.eos_token_id = tok.eos_token_id
+    tensors = {}
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.rsplit(".", 2)[-2] in _FP8_PROJECTIONS:
+                q, scale = quantize_weight_blocks(param)
+                param.copy_(dequantize_weight_blocks(q, scale))
+                tensors[name], tensors[name + "_scale_inv"] = q, scale
+            else:
+                tensors[name] = param.detach().clone()
+    tensors.update(kv_scales or {})
+    model.save_pretrained(ref_path, safe_serialization=True)
+    save_file(tensors, os.path.join(path, "model.safetensors"))
+    with open(os.path.join(ref_path, "config.json")) as f:
+        cfg = json.load(f)
+    cfg["quantization_config"] = dict(FP8_QUANTIZATION_CONFIG)
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(cfg, f)
+    return path

@@ -91,3 +91,59 @@ def test_schedule_recorder_records_every_scheduled_step():
         scheduler.schedule()
     assert recorder.steps == [(1, [1, 7, 30], [6, 7, 130], [5, 0, 100]), (2, [1, 1], [6, 1], [5, 0])]
     assert len(recorder.times) == 2
+
+
+def test_bench_structured_compares_constrained_and_free_decode_steps(tmp_path):
+    from helpers import make_tokenizer
+    tokenizer = make_tokenizer(str(tmp_path / "tokenizer"))
+    out = tmp_path / "result.json"
+    proc = _bench(tmp_path, "--structured", "json", "--tokenizer", str(tmp_path / "tokenizer"), "--json", str(out))
+    result = json.loads(out.read_text())["structured"]
+    assert set(result["compile"]) == {"tool call (required, 1 tool)", "benchmark schema (20 strings)"}
+    assert all(t["cached_ms"] < t["first_ms"] for t in result["compile"].values())
+    assert result["bins"] and all(b["ratio"] > 0 and b["steps"] > 0 for b in result["bins"].values())
+    fill = result["mask_fill"]
+    assert fill["steps"] > 100 and 0 < fill["rows_per_step"] <= 5 and fill["ms_per_step"] > 0
+    assert fill["hidden_fraction"] is None  # no device to overlap with on the CPU
+    assert any(line.startswith("grammar compile, tool call") for line in proc.stdout.splitlines())
+    assert any("mask fill:" in line for line in proc.stdout.splitlines()) and len(tokenizer) == 400
+def test_roofline_counts_fp8_weights_and_an_fp8_cache_at_a_byte():
+    """Block-FP8 projections: one byte per weight plus an fp32 scale per 128x128 block (the LM head stays
+    in the model dtype); an FP8 cache: one byte per K/V value; FP8 products at the FP8 rate."""
+    sys.path.insert(0, ROOT)
+    from bench import roofline
+    cfg = dict(hidden_size=256, num_hidden_layers=2, vocab_size=1000, num_attention_heads=2, num_key_value_heads=1,
+               head_dim=128, intermediate_size=384)
+    steps = [(0, [10], [10], [0]), (1, [1], [11], [10])]
+    bf16 = roofline(cfg, steps, 1e12, 1e15)
+    params = 512 * 256 + 256 * 256 + 768 * 256 + 256 * 384  # qkv, o, gate_up, down
+    assert bf16["weight_bytes_per_step"] == 2 * (2 * params + 1000 * 256)
+    assert bf16["kv_bytes_per_token"] == 2 * 2 * 128 * 2
+    fp8 = roofline(cfg, steps, 1e12, 1e15, fp8_weights=True, kv_dtype_bytes=1, fp8_flops=2e15)
+    scales = 4 * 2 + 2 * 2 + 6 * 2 + 2 * 3  # blocks of qkv, o, gate_up, down
+    assert fp8["weight_bytes_per_step"] == 2 * (params + 4 * scales) + 2 * 1000 * 256
+    assert fp8["kv_bytes_per_token"] == 2 * 2 * 128
+    attention = 4 * 2 * 2 * 128 * (10 * 11 / 2)
+    linear = 2 * params * 2 * 10
+    expect = (2 * fp8["weight_bytes_per_step"] + fp8["kv_bytes_per_token"] * 11) / 1e12 + linear / 2e15 + attention / 1e15
+    assert abs(fp8["ideal_time_s"] - expect) < 1e-12
+
+
+def test_bench_with_fp8_weights_and_cache(tmp_path):
+    """--quantization fp8 --kv-cache-dtype fp8 on a config whose projections fill 128x128 blocks: random
+    weights quantized to block FP8 at load (dequantized again on the CPU) and an FP8 KV cache."""
+    with open(os.path.join(ROOT, "benchmarks/configs/qwen3-0.6b.json")) as f:
+        config = json.load(f)
+    config.update(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=2,
+                  num_key_value_heads=1, head_dim=128, vocab_size=10240, bos_token_id=1, eos_token_id=2)
+    path = tmp_path / "fp8.json"
+    path.write_text(json.dumps(config))
+    out = tmp_path / "result.json"
+    proc = subprocess.run(
+        [sys.executable, "bench.py", "--config", str(path), "--device", "cpu", "--num-seqs", "3", "--max-input-len",
+         "110", "--max-output-len", "101", "--max-model-len", "256", "--quantization", "fp8", "--kv-cache-dtype", "fp8",
+         "--json", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    result = json.loads(out.read_text())
+    assert result["quantization"] == "fp8" and result["kv_cache_dtype"] == "torch.float8_e4m3fn"
+    assert result["throughput_tok_s"] > 0 and "quantization=fp8 kv_cache_dtype=torch.float8_e4m3fn" in proc.stdout

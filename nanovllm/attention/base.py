@@ -43,6 +43,10 @@ class AttentionMetadata:
         return self.num_decodes
 
 
+# An FP8 KV cache's per-KV-head scales (k_scale, v_scale), fp32 [Hkv]: the cache holds k / k_scale.
+KVScales = tuple[torch.Tensor, torch.Tensor]
+
+
 class AttentionBackend(ABC):
     name: str = "base"
     supports_cuda_graphs: bool = False
@@ -54,38 +58,39 @@ class AttentionBackend(ABC):
     def forward(self, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None,
                 k_cache: torch.Tensor, v_cache: torch.Tensor,
                 meta: AttentionMetadata, scale: float, kv_stored: bool = False,
-                out: torch.Tensor | None = None) -> torch.Tensor:
+                out: torch.Tensor | None = None, kv_scales: KVScales | None = None) -> torch.Tensor:
         """q: [T, Hq, D], k/v: [T, Hkv, D] for the new tokens; caches: [num_blocks, block_size,
         Hkv, D]. Stores k/v at meta.slot_mapping (unless kv_stored: they are there already, and
         k/v may be None), then attends each new token to its sequence's context: the decode rows
         (first in the batch) with `decode`, the rest with `prefill`. Returns [T, Hq, D], written
-        into `out` when given (q's shape and dtype)."""
+        into `out` when given (q's shape and dtype). kv_scales: for FP8 caches (float8_e4m3fn),
+        the (k_scale, v_scale) [Hkv] the cache holds k and v divided by; None for a cache in q's dtype."""
         if not kv_stored:
-            self.store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+            self.store_kv(k, v, k_cache, v_cache, meta.slot_mapping, kv_scales)
         if out is None:
             out = torch.empty_like(q)
         else:
             assert out.shape == q.shape and out.dtype == q.dtype, (out.shape, q.shape)
         nd = meta.num_decodes
         if nd:
-            self.decode(q[:nd], k_cache, v_cache, meta, scale, out[:nd])
+            self.decode(q[:nd], k_cache, v_cache, meta, scale, out[:nd], kv_scales)
         if nd < meta.num_seqs:
-            self.prefill(q[nd:], k_cache, v_cache, meta, scale, out[nd:])
+            self.prefill(q[nd:], k_cache, v_cache, meta, scale, out[nd:], kv_scales)
         return out
 
     @abstractmethod
     def store_kv(self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                 slot_mapping: torch.Tensor):
+                 slot_mapping: torch.Tensor, kv_scales: KVScales | None = None):
         """Write k/v [T, Hkv, D] into the caches at slot_mapping (slots < 0: padding, skipped)."""
 
     @abstractmethod
     def decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
-               scale: float, out: torch.Tensor):
+               scale: float, out: torch.Tensor, kv_scales: KVScales | None = None):
         """q/out: [num_decodes, Hq, D], one token per sequence (the batch's first sequences)."""
 
     @abstractmethod
     def prefill(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
-                scale: float, out: torch.Tensor):
+                scale: float, out: torch.Tensor, kv_scales: KVScales | None = None):
         """q/out: the tokens of the sequences after the decodes (chunks, prefix hits, prompts)."""
 
     def setup(self, max_num_seqs: int, num_q_heads: int, num_kv_heads: int, head_dim: int,

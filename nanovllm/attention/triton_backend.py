@@ -21,17 +21,18 @@ class TritonAttentionBackend(AttentionBackend):
                    for b in range(1, max_num_seqs + 1))
         self.workspace = alloc_decode_workspace(rows, num_q_heads, head_dim, 1, device)
 
-    def store_kv(self, k, v, k_cache, v_cache, slot_mapping):
-        store_kv_cache(k, v, k_cache, v_cache, slot_mapping)
+    def store_kv(self, k, v, k_cache, v_cache, slot_mapping, kv_scales=None):
+        store_kv_cache(k, v, k_cache, v_cache, slot_mapping, *(kv_scales or ()))
 
-    def decode(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float, out):
+    def decode(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float, out, kv_scales=None):
         nd = meta.num_decodes
         hint = meta.max_seq_len_bound or meta.max_seq_len
         splits = choose_num_splits(nd, q.shape[1], k_cache.shape[2], q.shape[2], q.device, hint)
         paged_decode_attention(q, k_cache, v_cache, meta.block_tables[:nd], meta.seq_lens[:nd], scale,
-                               out=out, num_splits=splits, workspace=self.workspace, order=meta.decode_order)
+                               out=out, num_splits=splits, workspace=self.workspace, order=meta.decode_order,
+                               kv_scales=kv_scales)
 
-    def prefill(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float, out):
+    def prefill(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float, out, kv_scales=None):
         nd = meta.num_decodes
         paged_prefill_attention(q, k_cache, v_cache, meta.prefill_query_start_loc, meta.seq_lens[nd:],
-                                meta.block_tables[nd:], meta.max_query_len, scale, out=out)
+                                meta.block_tables[nd:], meta.max_query_len, scale, out=out, kv_scales=kv_scales)

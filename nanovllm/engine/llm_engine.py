@@ -3,6 +3,8 @@ import gc
 import random
 import time
 
+import torch
+
 from nanovllm.config import Config
 from nanovllm.engine.block_manager import BlockManager
 from nanovllm.engine.output_processor import OutputProcessor
@@ -11,8 +13,18 @@ from nanovllm.engine.sequence import Sequence
 from nanovllm.engine.tokenizer import eos_token_ids, load_tokenizer
 from nanovllm.logger import init_logger
 from nanovllm.sampling_params import SamplingParams
+from nanovllm.structured_output.manager import StructuredOutputs
 
 logger = init_logger(__name__)
+
+
+def _kv_cache_note(config: Config) -> str:
+    """The start-up log's word on a KV cache that is not in the model dtype."""
+    kv = config.kv_cache_torch_dtype
+    if kv == config.torch_dtype:
+        return ""
+    ratio = torch.tensor([], dtype=config.torch_dtype).element_size() / torch.tensor([], dtype=kv).element_size()
+    return f", kv_cache_dtype={config.kv_cache_dtype} ({kv}: {ratio:g}x the tokens of a {config.torch_dtype} cache)"
 
 
 class LLMEngine:
@@ -31,10 +43,10 @@ class LLMEngine:
                 f"the KV cache holds {num_blocks} blocks of {config.kvcache_block_size} tokens, fewer than "
                 f"max_model_len={config.max_model_len}: lower max_model_len or give the cache more memory "
                 "(num_kvcache_blocks, kv_cache_memory_bytes or gpu_memory_utilization)")
-        logger.info("num_kvcache_blocks=%d (%d tokens of %d per block, %.2f GiB), max_model_len=%d, device=%s, dtype=%s",
+        logger.info("num_kvcache_blocks=%d (%d tokens of %d per block, %.2f GiB), max_model_len=%d, device=%s, dtype=%s%s",
                     num_blocks, num_blocks * config.kvcache_block_size, config.kvcache_block_size,
                     num_blocks * self.model_runner.block_bytes / 2**30, config.max_model_len, config.device,
-                    config.torch_dtype)
+                    config.torch_dtype, _kv_cache_note(config))
         self.block_manager = BlockManager(num_blocks, config.kvcache_block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(config.max_num_seqs, config.max_num_batched_tokens, self.block_manager,
                                    config.max_model_len)
@@ -43,6 +55,9 @@ class LLMEngine:
         self._in_flight = None
         self.output_processor = OutputProcessor(self.eos_token_ids, config.max_model_len, self.tokenizer)
         self.vocab_size = config.hf_config.vocab_size
+        # Grammars of constrained requests (a no-op for the others); built before any request.
+        self.structured = StructuredOutputs(self.tokenizer, self.vocab_size, self.eos_token_ids,
+                                            config.reasoning_parser)
         self._seed_rng = random.Random(config.seed)
         self.requests: dict = {}  # request_id -> list of its sequences
         # What exists now (the libraries' objects, the model) lives as long as the engine: frozen,
@@ -95,6 +110,10 @@ class LLMEngine:
         bad = [t for t in sampling_params.stop_token_ids if t >= self.vocab_size]
         if bad:
             raise ValueError(f"stop_token_ids {bad} are outside the vocabulary [0, {self.vocab_size})")
+        bad = [t for t in sampling_params.logit_bias or () if t >= self.vocab_size]
+        if bad:
+            raise ValueError(f"logit_bias token ids {bad} are outside the vocabulary [0, {self.vocab_size})")
+        self.structured.check(sampling_params)  # compiles a constraint now (cached): errors before queueing
 
     def add_request(self, request_id, token_ids: list[int], sampling_params: SamplingParams) -> list[Sequence]:
         """Queue a validated request; with n > 1 it becomes n sequences sharing the prompt's blocks."""
@@ -108,13 +127,19 @@ class LLMEngine:
             seq = Sequence(token_ids, sampling_params, seed=_derive_seed(base_seed, i), request_id=request_id, index=i)
             seq.arrival_time = now
             seqs.append(seq)
+        self.structured.attach(seqs)
+        for seq in seqs:
             self.scheduler.add(seq)
         self.requests[request_id] = seqs
         return seqs
 
     def abort_request(self, request_id):
         for seq in self.requests.pop(request_id, []):
-            self.scheduler.finish(seq, "abort")
+            self._finish(seq, "abort")
+
+    def _finish(self, seq: Sequence, reason: str):
+        self.scheduler.finish(seq, reason)
+        self.structured.release(seq)
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished() or self._in_flight is not None
@@ -124,22 +149,29 @@ class LLMEngine:
         """Schedule and launch one forward pass, then take in the results of the previous one
         (on a GPU, so the host's work overlaps the device's) or of this one (on the CPU).
         Returns (sequences that finished, prefill tokens launched, decode tokens launched).
+
+        A batch with rows under a grammar launches its forward pass alone: the masks of its draw
+        depend on the previous step's tokens, so they are filled once those are taken in, while
+        the forward pass runs, and the draw is launched then (overlap stays on).
         If it raises, no step is left in flight: a failed launch or read-back leaves results that
         cannot be trusted or fetched, and the callers fail every running request."""
         try:
             batch = self.scheduler.schedule()
             launched = None
             if batch is not None:
-                output = self.model_runner.execute(batch)
+                output = self.model_runner.execute(batch, defer_sampling=self.structured.needs_masks(batch.seqs))
                 self.scheduler.advance(batch)
                 for seq in output.seqs:
                     seq.append_pending()
                 launched = (batch, output)
+            earlier = None
             if self.overlap:
-                done, self._in_flight = self._in_flight, launched
-            else:
-                done = launched
-            finished = self._process(*done) if done is not None else []
+                earlier, self._in_flight = self._in_flight, launched
+            finished = self._process(*earlier) if earlier is not None else []
+            if launched is not None and launched[1].awaits_masks:
+                self.model_runner.sample(launched[1], self.structured.fill_masks)
+            if not self.overlap and launched is not None:
+                finished = self._process(*launched)
         except BaseException:
             self._in_flight = None
             raise
@@ -152,6 +184,7 @@ class LLMEngine:
         now = time.perf_counter()
         tokens = output.token_ids()
         logprobs = output.logprobs()
+        rejected = self.structured.advance(output.seqs, tokens)  # grammars take their tokens
         for row, (seq, token) in enumerate(zip(output.seqs, tokens)):
             if seq.is_finished:  # stopped or aborted while this step was in flight
                 continue
@@ -159,8 +192,10 @@ class LLMEngine:
             if seq.first_token_time is None:
                 seq.first_token_time = now
             reason = self.output_processor.check(seq, token, None if logprobs is None else logprobs.row(row))
+            if rejected and seq in rejected:
+                reason = "abort"
             if reason is not None:
-                self.scheduler.finish(seq, reason)
+                self._finish(seq, reason)
                 finished.append(seq)
                 siblings = self.requests.get(seq.request_id)
                 if siblings is not None and all(s.is_finished for s in siblings):

@@ -2,16 +2,17 @@
 
 Every sequence has `num_computed_tokens` that catches up with `num_tokens` under a per-step token
 budget (vLLM v1's idea): one loop covers decode (one new token), chunked prefill (a slice of a long
-prompt), prefix-cache hits (computed tokens adopted at admission) and recompute after preemption.
+prompt), prefix-cache hits (computed tokens adopted at admission, down to the token: the batch
+carries the KV copies that the step must make first) and recompute after preemption.
 Running sequences are served first, in admission order; when the KV cache runs out, the most
 recently admitted sequence is preempted (blocks freed, recomputed later) and put at the head of
 the waiting queue, so the oldest request always makes progress and nothing starves.
 """
 import time
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
-from nanovllm.engine.block_manager import BlockManager
+from nanovllm.engine.block_manager import NO_HIT, BlockManager
 from nanovllm.engine.sequence import Sequence, SequenceStatus
 
 
@@ -20,6 +21,8 @@ class ScheduledBatch:
     seqs: list[Sequence]         # sequences with query length 1 (decodes) come first
     num_new_tokens: list[int]    # tokens of each sequence computed this step
     num_decodes: int             # leading sequences with exactly one new token
+    # (source block, destination block, tokens): KV to copy, every layer, before the step's attention
+    kv_copies: list[tuple[int, int, int]] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:
@@ -54,6 +57,7 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def schedule(self) -> ScheduledBatch | None:
+        self.block_manager.release_pins()  # normally done at launch (advance); this after a failed one
         budget = self.max_num_batched_tokens
         scheduled: list[tuple[Sequence, int]] = []
         preempted = False
@@ -84,12 +88,13 @@ class Scheduler:
             if self._waits_for_shared_prompt(seq):
                 deferred.append(self.waiting.popleft())
                 continue
-            cached = self.block_manager.lookup_prefix(seq) if seq.num_computed_tokens == 0 else []
-            n = min(seq.num_tokens - len(cached) * self.block_manager.block_size, budget)
-            if not self.block_manager.allocate(seq, n, cached):
+            hit = self.block_manager.lookup_prefix(seq) if seq.num_computed_tokens == 0 else NO_HIT
+            n = min(seq.num_tokens - hit.num_tokens, budget)
+            if not self.block_manager.allocate(seq, n, hit):
                 break
             if seq.num_preemptions == 0:
-                self.block_manager.record_prefix_query(seq.num_tokens, seq.num_cached_tokens)
+                seq.num_cached_tokens = hit.num_tokens
+                self.block_manager.record_prefix_query(seq.num_tokens, hit.num_tokens)
             self.waiting.popleft()
             if seq.first_scheduled_time is None:
                 seq.first_scheduled_time = time.perf_counter()
@@ -107,7 +112,8 @@ class Scheduler:
         # Decodes first: attention backends run a decode kernel on that leading slice.
         scheduled.sort(key=lambda item: item[1] != 1)
         num_decodes = sum(1 for _, n in scheduled if n == 1)
-        return ScheduledBatch([s for s, _ in scheduled], [n for _, n in scheduled], num_decodes)
+        return ScheduledBatch([s for s, _ in scheduled], [n for _, n in scheduled], num_decodes,
+                              self.block_manager.take_copies())
 
     def _waits_for_shared_prompt(self, seq: Sequence) -> bool:
         """Siblings of an n > 1 request (index > 0) are admitted only once the first one's prompt
@@ -117,11 +123,11 @@ class Scheduler:
         leader = self._prompt_leaders.get(seq.request_id)
         if leader is None or leader is seq or seq.num_computed_tokens or seq.num_preemptions:
             return False
-        num_shared = (seq.num_prompt_tokens - 1) // self.block_manager.block_size  # as lookup_prefix
+        num_shared = seq.num_prompt_tokens - 1  # all but the last token, as lookup_prefix
         if not self.block_manager.enable_prefix_caching or num_shared == 0:
             del self._prompt_leaders[seq.request_id]
             return False
-        return len(self.block_manager.lookup_prefix(seq)) < num_shared
+        return self.block_manager.lookup_prefix(seq).num_tokens < num_shared
 
     def _preempt(self, seq: Sequence):
         self.block_manager.free(seq)
@@ -140,12 +146,14 @@ class Scheduler:
         before this one's results are back."""
         for seq, n in zip(batch.seqs, batch.num_new_tokens):
             seq.num_computed_tokens += n
+        self.block_manager.release_pins()  # the step's KV copies are queued: their sources may go
 
     def publish(self, batch: ScheduledBatch):
-        """The step's results are in (every computed token is known): share its full blocks."""
+        """The step's results are in (every computed token is known): share what it completed
+        (finished sequences shared everything when they were freed)."""
         for seq in batch.seqs:
             if not seq.is_finished:
-                self.block_manager.cache_full_blocks(seq)
+                self.block_manager.publish(seq)
 
     def finish(self, seq: Sequence, reason: str):
         """Remove seq from the queues (finished, stopped or aborted) and release its blocks."""

@@ -26,9 +26,9 @@ class Sequence:
         self.num_prompt_tokens = len(token_ids)
         # KV of token_ids[:num_computed_tokens] is in the cache; the scheduler advances it.
         self.num_computed_tokens = 0
-        self.num_cached_tokens = 0  # prompt tokens served by the prefix cache at admission
+        self.num_cached_tokens = 0  # prompt tokens served by the prefix cache at first admission
         self.block_table: list[int] = []
-        self.num_published_blocks = 0  # leading blocks of block_table offered to the prefix cache
+        self.num_published_tokens = 0  # leading tokens of block_table offered to the prefix cache
         self.status = SequenceStatus.WAITING
         self.sampling_params = sampling_params
         self.seed = seed  # drives this sequence's sampling noise, independent of the batch
@@ -37,6 +37,8 @@ class Sequence:
         self.stop_reason: int | str | None = None
         self.logprobs: list[dict] | None = [] if sampling_params.logprobs is not None else None
         self.num_preemptions = 0
+        # structured_output.manager.GrammarState while a constraint applies (set by the engine).
+        self.grammar = None
         # Trailing entries of token_ids sampled on the device but not yet seen by the host.
         self.num_pending_tokens = 0
         # Timestamps for metrics (filled by the engine).

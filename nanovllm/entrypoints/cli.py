@@ -15,6 +15,7 @@ def _add_model_args(p: argparse.ArgumentParser):
     p.add_argument("--dtype", default="auto")
     p.add_argument("--enforce-eager", action="store_true")
     p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1, help="GPUs (or CPU processes) to split the model over")
+    p.add_argument("--kv-cache-dtype", default="auto", help="auto (the model dtype) or fp8: twice the tokens per byte")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -40,7 +41,7 @@ def _params(args):
 def _llm(args):
     from nanovllm import LLM
     return LLM(args.model, device=args.device, dtype=args.dtype, enforce_eager=args.enforce_eager,
-               tensor_parallel_size=args.tensor_parallel_size)
+               tensor_parallel_size=args.tensor_parallel_size, kv_cache_dtype=args.kv_cache_dtype)
 
 
 def cmd_generate(args) -> int:

@@ -22,6 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
+from nanovllm.kernels.fp8 import FP8_DTYPE, quantize_to_fp8
 from nanovllm.kernels.pdl import PDL_LAUNCH, pdl_prologue
 from nanovllm.kernels.gemm import SplitKOutput
 
@@ -35,20 +36,10 @@ def _launch_opts(block: int) -> dict:
 # RMSNorm (optionally with the residual add fused in)
 # --------------------------------------------------------------------------------------------
 @triton.jit
-def _rms_norm_kernel(
-    x_ptr, res_ptr, w_ptr, y_ptr, res_out_ptr,
-    stride_x, stride_r, stride_y, stride_ro,  # row strides; the hidden dim has unit stride
-    stride_part,  # NUM_PARTS > 0: x holds that many fp32 split-K partials, this far apart
-    eps,
-    N: tl.constexpr, BLOCK: tl.constexpr, HAS_RES: tl.constexpr, NUM_PARTS: tl.constexpr,
-):
-    # One program per token row; the whole row lives in registers (BLOCK = next_pow2(N)).
-    row = tl.program_id(0).to(tl.int64)  # int64: row * stride can exceed 2^31 at long prefills
-    cols = tl.arange(0, BLOCK)
-    mask = cols < N  # N is constexpr: when BLOCK == N the mask folds away (vector accesses)
-    # The weight is no predecessor's output: read it before the programmatic-launch wait.
-    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-    pdl_prologue()
+def rms_norm_row(x_ptr, res_ptr, res_out_ptr, w, row, cols, mask, stride_x, stride_r, stride_ro, stride_part, eps,
+                 N: tl.constexpr, BLOCK: tl.constexpr, HAS_RES: tl.constexpr, NUM_PARTS: tl.constexpr):
+    """One row's RMSNorm (after the residual add, whose sum it stores): returns ``xn * w`` in fp32, for
+    the caller to round to the output dtype (`_rms_norm_kernel`; kernels/fp8_quant.py quantizes it)."""
     if NUM_PARTS > 0:
         # The projection's output = the sum of its partials, rounded as a GEMM would round it.
         x = tl.zeros([BLOCK], tl.float32)
@@ -70,7 +61,27 @@ def _rms_norm_kernel(
     # (res_ptr has the activation dtype: it is x_ptr itself without a residual, and x_ptr holds
     # fp32 partials with NUM_PARTS > 0.)
     xn = (x * tl.rsqrt(var + eps)).to(res_ptr.dtype.element_ty).to(tl.float32)
-    tl.store(y_ptr + row * stride_y + cols, (xn * w).to(y_ptr.dtype.element_ty), mask=mask)
+    return xn * w
+
+
+@triton.jit
+def _rms_norm_kernel(
+    x_ptr, res_ptr, w_ptr, y_ptr, res_out_ptr,
+    stride_x, stride_r, stride_y, stride_ro,  # row strides; the hidden dim has unit stride
+    stride_part,  # NUM_PARTS > 0: x holds that many fp32 split-K partials, this far apart
+    eps,
+    N: tl.constexpr, BLOCK: tl.constexpr, HAS_RES: tl.constexpr, NUM_PARTS: tl.constexpr,
+):
+    # One program per token row; the whole row lives in registers (BLOCK = next_pow2(N)).
+    row = tl.program_id(0).to(tl.int64)  # int64: row * stride can exceed 2^31 at long prefills
+    cols = tl.arange(0, BLOCK)
+    mask = cols < N  # N is constexpr: when BLOCK == N the mask folds away (vector accesses)
+    # The weight is no predecessor's output: read it before the programmatic-launch wait.
+    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    pdl_prologue()
+    y = rms_norm_row(x_ptr, res_ptr, res_out_ptr, w, row, cols, mask, stride_x, stride_r, stride_ro, stride_part,
+                     eps, N, BLOCK, HAS_RES, NUM_PARTS)
+    tl.store(y_ptr + row * stride_y + cols, y.to(y_ptr.dtype.element_ty), mask=mask)
 
 
 def _rows(t: torch.Tensor, n: int) -> torch.Tensor:
@@ -150,6 +161,15 @@ def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Te
 # SiLU-and-mul (SwiGLU on a fused [gate | up] projection)
 # --------------------------------------------------------------------------------------------
 @triton.jit
+def silu_mul(gate, up, DTYPE: tl.constexpr):
+    """silu(gate) * up for gate/up read from DTYPE values, in fp32 for the caller to round to DTYPE.
+    F.silu computes x / (1 + exp(-x)) in fp32 and rounds to the dtype; then `silu * up` in the dtype
+    = the exact fp32 product of two 16-bit values rounded once."""
+    silu = tl.div_rn(gate, 1.0 + tl.exp(-gate)).to(DTYPE).to(tl.float32)
+    return silu * up
+
+
+@triton.jit
 def _silu_and_mul_kernel(x_ptr, y_ptr, stride_x, stride_y, I, BLOCK: tl.constexpr):
     pdl_prologue()
     # grid = (rows, cdiv(I, BLOCK)): rows on axis 0, whose limit is 2^31-1 (axis 1 allows 65535).
@@ -159,10 +179,8 @@ def _silu_and_mul_kernel(x_ptr, y_ptr, stride_x, stride_y, I, BLOCK: tl.constexp
     src = x_ptr + row * stride_x + cols
     gate = tl.load(src, mask=mask, other=0.0).to(tl.float32)
     up = tl.load(src + I, mask=mask, other=0.0).to(tl.float32)
-    # F.silu computes x / (1 + exp(-x)) in fp32 and rounds to the dtype; then `silu * up` in
-    # the dtype = exact fp32 product of two 16-bit values rounded once.
-    silu = tl.div_rn(gate, 1.0 + tl.exp(-gate)).to(y_ptr.dtype.element_ty).to(tl.float32)
-    tl.store(y_ptr + row * stride_y + cols, (silu * up).to(y_ptr.dtype.element_ty), mask=mask)
+    tl.store(y_ptr + row * stride_y + cols, silu_mul(gate, up, y_ptr.dtype.element_ty).to(y_ptr.dtype.element_ty),
+             mask=mask)
 
 
 def silu_and_mul(x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -224,44 +242,55 @@ def norm_rope_math(x1, x2, w_ptr, d, cos, sin, eps, IN_TY: tl.constexpr, HAS_NOR
 
 @triton.jit
 def _norm_rope_heads(
-    src, dst, w_ptr, stride_h, stride_dh, h0, H, cos, sin, eps,
+    src, dst, w_ptr, stride_h, stride_dh, h0, H, cos, sin, eps, scale_ptr,
     HAS_NORM: tl.constexpr, HALF: tl.constexpr, BLOCK_HALF: tl.constexpr, G: tl.constexpr,
-    OUT_TY: tl.constexpr,
+    OUT_TY: tl.constexpr, KV_FP8: tl.constexpr,
 ):
     # Heads [h0, h0+G) of one token. OUT_TY is the dtype of qk_norm_rope's output, where the
     # results are rounded; dst may be a KV cache of another dtype, which then gets that rounded
-    # value cast again (as store_kv does).
+    # value cast again (as store_kv does), or (KV_FP8) divided by its head's scale_ptr entry in FP8.
     h, d, mask = _head_tile(h0, H, HALF, BLOCK_HALF, G)
     p1 = src + h * stride_h + d
     x1 = tl.load(p1, mask=mask, other=0.0).to(tl.float32)
     x2 = tl.load(p1 + HALF, mask=mask, other=0.0).to(tl.float32)
     o1, o2 = norm_rope_math(x1, x2, w_ptr, d, cos, sin, eps, src.dtype.element_ty, HAS_NORM, HALF, G, OUT_TY)
     q1 = dst + h * stride_dh + d
-    tl.store(q1, o1.to(OUT_TY).to(dst.dtype.element_ty), mask=mask)
-    tl.store(q1 + HALF, o2.to(OUT_TY).to(dst.dtype.element_ty), mask=mask)
+    if KV_FP8:
+        s = tl.load(scale_ptr + h, mask=h < H, other=1.0)
+        tl.store(q1, quantize_to_fp8(o1.to(OUT_TY).to(tl.float32), s), mask=mask)
+        tl.store(q1 + HALF, quantize_to_fp8(o2.to(OUT_TY).to(tl.float32), s), mask=mask)
+    else:
+        tl.store(q1, o1.to(OUT_TY).to(dst.dtype.element_ty), mask=mask)
+        tl.store(q1 + HALF, o2.to(OUT_TY).to(dst.dtype.element_ty), mask=mask)
 
 
 @triton.jit
-def _copy_heads(src, dst, stride_h, stride_dh, h0, H,
-                HALF: tl.constexpr, BLOCK_HALF: tl.constexpr, G: tl.constexpr):
-    # Heads [h0, h0+G) of one token, cast to dst's dtype; in halves, so it shares the rope tile.
+def _copy_heads(src, dst, stride_h, stride_dh, h0, H, scale_ptr,
+                HALF: tl.constexpr, BLOCK_HALF: tl.constexpr, G: tl.constexpr, KV_FP8: tl.constexpr):
+    # Heads [h0, h0+G) of one token, cast to dst's dtype (KV_FP8: divided by the head's scale_ptr
+    # entry, in FP8); in halves, so it shares the rope tile.
     h, d, mask = _head_tile(h0, H, HALF, BLOCK_HALF, G)
     p1 = src + h * stride_h + d
     q1 = dst + h * stride_dh + d
-    tl.store(q1, tl.load(p1, mask=mask).to(dst.dtype.element_ty), mask=mask)
-    tl.store(q1 + HALF, tl.load(p1 + HALF, mask=mask).to(dst.dtype.element_ty), mask=mask)
+    if KV_FP8:
+        s = tl.load(scale_ptr + h, mask=h < H, other=1.0)
+        tl.store(q1, quantize_to_fp8(tl.load(p1, mask=mask).to(tl.float32), s), mask=mask)
+        tl.store(q1 + HALF, quantize_to_fp8(tl.load(p1 + HALF, mask=mask).to(tl.float32), s), mask=mask)
+    else:
+        tl.store(q1, tl.load(p1, mask=mask).to(dst.dtype.element_ty), mask=mask)
+        tl.store(q1 + HALF, tl.load(p1 + HALF, mask=mask).to(dst.dtype.element_ty), mask=mask)
 
 
 @triton.jit
 def _qk_norm_rope_kernel(
     q_ptr, k_ptr, qo_ptr, ko_ptr, qw_ptr, kw_ptr, pos_ptr, cs_ptr,
-    v_ptr, kc_ptr, vc_ptr, slot_ptr,  # STORE_KV only
+    v_ptr, kc_ptr, vc_ptr, slot_ptr, ks_ptr, vs_ptr,  # STORE_KV only (the scales: KV_FP8 only)
     stride_qt, stride_qh, stride_kt, stride_kh,
     stride_qot, stride_qoh, stride_kot, stride_koh, stride_cs,
     stride_vt, stride_vh, stride_cb, stride_ct, stride_ch, block_size,  # STORE_KV only
     HQ, HKV, eps,
     HAS_NORM: tl.constexpr, HALF: tl.constexpr, BLOCK_HALF: tl.constexpr,
-    G: tl.constexpr, NQG: tl.constexpr, STORE_KV: tl.constexpr,
+    G: tl.constexpr, NQG: tl.constexpr, STORE_KV: tl.constexpr, KV_FP8: tl.constexpr,
 ):
     # grid = (T, NQG + NKG): axis 1 picks a group of G heads, the first NQG groups are q's.
     # One launch for q and k; the token's cos/sin row is loaded once per program. Positions and
@@ -277,7 +306,7 @@ def _qk_norm_rope_kernel(
     out_ty = qo_ptr.dtype.element_ty  # q's and k's output dtype (the same)
     if g < NQG:
         _norm_rope_heads(q_ptr + t * stride_qt, qo_ptr + t * stride_qot, qw_ptr, stride_qh, stride_qoh,
-                         g * G, HQ, cos, sin, eps, HAS_NORM, HALF, BLOCK_HALF, G, out_ty)
+                         g * G, HQ, cos, sin, eps, qw_ptr, HAS_NORM, HALF, BLOCK_HALF, G, out_ty, False)
     else:
         h0 = (g - NQG) * G
         if STORE_KV:
@@ -288,12 +317,12 @@ def _qk_norm_rope_kernel(
             if slot >= 0:
                 row = (slot // block_size) * stride_cb + (slot % block_size) * stride_ct
                 _norm_rope_heads(k_ptr + t * stride_kt, kc_ptr + row, kw_ptr, stride_kh, stride_ch,
-                                 h0, HKV, cos, sin, eps, HAS_NORM, HALF, BLOCK_HALF, G, out_ty)
+                                 h0, HKV, cos, sin, eps, ks_ptr, HAS_NORM, HALF, BLOCK_HALF, G, out_ty, KV_FP8)
                 _copy_heads(v_ptr + t * stride_vt, vc_ptr + row, stride_vh, stride_ch,
-                            h0, HKV, HALF, BLOCK_HALF, G)
+                            h0, HKV, vs_ptr, HALF, BLOCK_HALF, G, KV_FP8)
         else:
             _norm_rope_heads(k_ptr + t * stride_kt, ko_ptr + t * stride_kot, kw_ptr, stride_kh, stride_koh,
-                             h0, HKV, cos, sin, eps, HAS_NORM, HALF, BLOCK_HALF, G, out_ty)
+                             h0, HKV, cos, sin, eps, kw_ptr, HAS_NORM, HALF, BLOCK_HALF, G, out_ty, False)
 
 
 def _head_out(out, x, dtype):
@@ -308,7 +337,8 @@ def _unit_last(x: torch.Tensor) -> torch.Tensor:
 
 
 def _qk_norm_rope_launch(q, k, positions, cos_sin_cache, q_weight, k_weight, eps, q_out, k_out, kv_store):
-    # kv_store: None, or (v, k_cache, v_cache, slot_mapping) to send k and v to the cache.
+    # kv_store: None, or (v, k_cache, v_cache, slot_mapping, k_scale, v_scale) to send k and v to the
+    # cache (the scales: an FP8 cache's, else None).
     assert q.dim() == 3 and k.dim() == 3 and q.shape[0] == k.shape[0] and q.shape[2] == k.shape[2]
     assert q.dtype == k.dtype, (q.dtype, k.dtype)
     t, hq, dim = q.shape
@@ -329,8 +359,13 @@ def _qk_norm_rope_launch(q, k, positions, cos_sin_cache, q_weight, k_weight, eps
         k_out = ko = _head_out(k_out, k, out_dtype)
         v = k_cache = v_cache = slots = q  # STORE_KV=False never reads them; any valid pointers
         store_strides = (0,) * 6
+        kv_fp8, k_scale, v_scale = False, q, q
     else:
-        v, k_cache, v_cache, slots = kv_store
+        v, k_cache, v_cache, slots, k_scale, v_scale = kv_store
+        kv_fp8 = k_cache.dtype == FP8_DTYPE
+        assert not kv_fp8 or (k_scale is not None and v_scale is not None), "an FP8 cache needs k_scale and v_scale"
+        if not kv_fp8:
+            k_scale = v_scale = q  # KV_FP8=False never reads them
         assert v.shape == k.shape and slots.numel() == t, (v.shape, k.shape, slots.shape)
         assert k_cache.shape[2:] == (hkv, dim) and v_cache.shape == k_cache.shape, (k_cache.shape, v_cache.shape)
         # One set of strides for both caches (the runner makes them as views of one tensor).
@@ -354,12 +389,13 @@ def _qk_norm_rope_launch(q, k, positions, cos_sin_cache, q_weight, k_weight, eps
         q_weight = k_weight = cos_sin_cache
     _qk_norm_rope_kernel[(t, nqg + nkg)](
         q, k, q_out, ko, q_weight, k_weight, positions, cos_sin_cache,
-        v, k_cache, v_cache, slots,
+        v, k_cache, v_cache, slots, k_scale, v_scale,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1),
         q_out.stride(0), q_out.stride(1), ko.stride(0), ko.stride(1), cos_sin_cache.stride(0),
         *store_strides,
         hq, hkv, float(eps),
         HAS_NORM=has_norm, HALF=half, BLOCK_HALF=block_half, G=g, NQG=nqg, STORE_KV=kv_store is not None,
+        KV_FP8=kv_fp8,
         **_launch_opts(g * block_half), **PDL_LAUNCH,  # sized by one half-tile: 16 B bf16 vectors per thread
     )
     return q_out, k_out
@@ -389,15 +425,17 @@ def qk_norm_rope_store_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos
                           cos_sin_cache: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                           slot_mapping: torch.Tensor, q_weight: torch.Tensor | None = None,
                           k_weight: torch.Tensor | None = None, eps: float = 1e-6,
-                          q_out: torch.Tensor | None = None) -> torch.Tensor:
+                          q_out: torch.Tensor | None = None, k_scale: torch.Tensor | None = None,
+                          v_scale: torch.Tensor | None = None) -> torch.Tensor:
     """``qk_norm_rope`` + ``store_kv_cache`` in one launch: returns q (as ``qk_norm_rope``), and
     writes k (normed and roped) and v (as is) into the paged caches ``[num_blocks, block_size,
-    Hkv, D]`` at ``slot_mapping`` ``[T]`` (slots < 0 are skipped), cast to the cache dtype. The
-    cache gets bit-exactly what the two separate calls would write; k itself is not modified.
-    v ``[T, Hkv, D]`` may be a strided view like k; the two caches must share one set of strides.
+    Hkv, D]`` at ``slot_mapping`` ``[T]`` (slots < 0 are skipped), cast to the cache dtype (an FP8
+    cache: divided by k_scale / v_scale ``[Hkv]`` per head). The cache gets bit-exactly what the two
+    separate calls would write; k itself is not modified. v ``[T, Hkv, D]`` may be a strided view like
+    k; the two caches must share one set of strides.
     """
     return _qk_norm_rope_launch(q, k, positions, cos_sin_cache, q_weight, k_weight, eps, q_out, None,
-                                (v, k_cache, v_cache, slot_mapping))[0]
+                                (v, k_cache, v_cache, slot_mapping, k_scale, v_scale))[0]
 
 
 __all__ = ["rms_norm", "fused_add_rms_norm", "silu_and_mul", "qk_norm_rope", "qk_norm_rope_store_kv"]

@@ -15,6 +15,10 @@ partial outputs with their log-sum-exp.  With a single split, stage 1 writes the
 output directly and stage 2 is skipped.
 
 All softmax math is fp32 in base 2: ``exp(x * scale) == exp2(x * scale * log2(e))``.
+
+An FP8 cache (float8_e4m3fn, holding k / k_scale and v / v_scale per KV head) is dequantized in
+registers as its tiles are loaded: K and V become q's dtype (exactly), k_scale joins the softmax
+scale and v_scale multiplies the output, so the cache is read once, at one byte per value.
 """
 
 import functools
@@ -23,6 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
+from nanovllm.kernels.fp8 import FP8_DTYPE
 from nanovllm.kernels.pdl import PDL_LAUNCH, pdl_prologue
 
 _LOG2E = 1.4426950408889634
@@ -62,7 +67,7 @@ def fold_scores(s, v, m_i, l_i, acc, DOT_PREC: tl.constexpr):
 @triton.jit(do_not_specialize=["stride_bt", "num_splits"])
 def _decode_split_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, order_ptr,
-    out_ptr, part_o_ptr, part_lse_ptr,
+    out_ptr, part_o_ptr, part_lse_ptr, k_scale_ptr, v_scale_ptr,  # the scales: KV_FP8 only
     qk_scale,  # softmax scale * log2(e)
     stride_qb, stride_qh,
     stride_kb, stride_kt, stride_kh,  # k_cache strides: block, token-in-block, head
@@ -85,6 +90,7 @@ def _decode_split_kernel(
     # stage on them: num_stages=3 leaves one K/V buffer (sm_90 TTGIR), and a program has a single
     # tile in flight. Carried, num_stages=3 gives two buffers (72 KB of shared memory instead of 39).
     PREFETCH_BLOCKS: tl.constexpr,
+    KV_FP8: tl.constexpr,  # float8_e4m3fn caches holding k / k_scale, v / v_scale of each KV head
 ):
     # Everything up to the first tile's block ids comes from the step's inputs, not from the
     # previous kernel: it is read before the programmatic-dependent-launch wait (pdl_prologue),
@@ -118,6 +124,8 @@ def _decode_split_kernel(
 
     q = tl.load(q_ptr + b * stride_qb + q_head[:, None] * stride_qh + d[None, :],
                 mask=g_mask[:, None] & d_mask[None, :], other=0.0)
+    if KV_FP8:  # dequantized in registers: k's scale joins the softmax scale, v's the output's
+        qk_scale = qk_scale * tl.load(k_scale_ptr + kv_head)
 
     m_i = tl.full([BLOCK_G], _NEG_INIT, tl.float32)
     l_i = tl.zeros([BLOCK_G], tl.float32)
@@ -146,12 +154,16 @@ def _decode_split_kernel(
                     mask=kv_mask, other=0.0)
         v = tl.load(v_head + (blk * stride_vb + tok * stride_vt)[:, None] + d[None, :],
                     mask=kv_mask, other=0.0)
+        if KV_FP8:
+            k, v = k.to(q.dtype), v.to(q.dtype)
 
         m_i, l_i, acc = attend_tile(q, k, v, n_mask, m_i, l_i, acc, qk_scale, DOT_PREC)
 
     # Empty range (padding row, or a split beyond a short sequence): l_i == 0.
     has_keys = l_i > 0.0
     o = acc / tl.where(has_keys, l_i, 1.0)[:, None]
+    if KV_FP8:
+        o = o * tl.load(v_scale_ptr + kv_head)
     o_mask = g_mask[:, None] & d_mask[None, :]
     if DIRECT_OUT:
         tl.store(out_ptr + b * stride_ob + q_head[:, None] * stride_oh + d[None, :],
@@ -243,6 +255,17 @@ def choose_num_splits(batch: int, num_q_heads: int, num_kv_heads: int, head_dim:
     return max(1, min(splits, _MAX_SPLITS))
 
 
+def check_cache_dtype(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, kv_scales) -> bool:
+    """Whether the caches are FP8 (float8_e4m3fn, with kv_scales); else they must have q's dtype."""
+    assert k_cache.dtype == v_cache.dtype, (k_cache.dtype, v_cache.dtype)
+    if k_cache.dtype == FP8_DTYPE:
+        assert kv_scales is not None, "an FP8 KV cache needs its kv_scales (k_scale, v_scale)"
+        assert all(s.dtype == torch.float32 and s.shape == (k_cache.shape[2],) for s in kv_scales), kv_scales
+        return True
+    assert q.dtype == k_cache.dtype, "q and the KV cache must share a dtype (or the cache be float8_e4m3fn)"
+    return False
+
+
 def alloc_decode_workspace(max_batch: int, num_q_heads: int, head_dim: int, num_splits: int,
                            device: torch.device):
     """Preallocated stage-1 buffers (for CUDA graphs): (partial outputs, partial lse)."""
@@ -264,6 +287,7 @@ def paged_decode_attention(
     workspace: tuple[torch.Tensor, torch.Tensor] | None = None,
     max_seq_len_hint: int | None = None,
     order: torch.Tensor | None = None,
+    kv_scales: tuple[torch.Tensor, torch.Tensor] | None = None,
     _config: tuple | None = None,  # `_decode_config`'s tuple, for benchmarks
 ) -> torch.Tensor:
     """Attention of one query token per sequence over its ``seq_lens[b]`` cached keys.
@@ -272,12 +296,13 @@ def paged_decode_attention(
     block_tables: [B, max_blocks] int32; seq_lens: [B] int32 (0 = padding row -> zeros).
     ``workspace``: optional (part_o, part_lse) from ``alloc_decode_workspace`` with room for
     at least B x Hq x num_splits entries.  ``order``: optional [B] int32 permutation of the rows,
-    longest context first (any permutation gives the same result).  Returns ``out`` ([B, Hq, D]).
+    longest context first (any permutation gives the same result).  ``kv_scales``: for float8_e4m3fn
+    caches, (k_scale, v_scale) [Hkv] fp32 (the cache holds k / k_scale).  Returns ``out`` ([B, Hq, D]).
     """
     batch, num_q_heads, head_dim = q.shape
     _, page_size, num_kv_heads, _ = k_cache.shape
     assert num_q_heads % num_kv_heads == 0 and k_cache.shape[-1] == head_dim
-    assert q.dtype == k_cache.dtype == v_cache.dtype, "q and the KV cache must share a dtype"
+    kv_fp8 = check_cache_dtype(q, k_cache, v_cache, kv_scales)
     group = num_q_heads // num_kv_heads
     if q.stride(-1) != 1:
         q = q.contiguous()
@@ -309,7 +334,7 @@ def paged_decode_attention(
     dot_prec = "ieee" if q.dtype == torch.float32 else "tf32"
     _decode_split_kernel[(num_kv_heads * head_blocks, batch, num_splits)](
         q, k_cache, v_cache, block_tables, seq_lens, seq_lens if order is None else order,
-        out, part_o, part_lse,
+        out, part_o, part_lse, *(kv_scales if kv_fp8 else (k_cache, k_cache)),  # placeholders: fixed, aligned
         scale * _LOG2E,
         q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
@@ -321,6 +346,7 @@ def paged_decode_attention(
         HEAD_DIM=head_dim, BLOCK_D=block_d,
         PAGE_SIZE=page_size, BLOCK_N=block_n,
         DIRECT_OUT=direct, HAS_ORDER=order is not None, DOT_PREC=dot_prec, PREFETCH_BLOCKS=prefetch_blocks,
+        KV_FP8=kv_fp8,
         num_warps=num_warps, num_stages=num_stages, **PDL_LAUNCH)
     if not direct:
         _decode_merge_kernel[(batch, num_q_heads)](

@@ -16,6 +16,9 @@ K/V tiles come either by pointer loads, each key addressed through the block tab
 key tile never crosses a cache block (block size a multiple of BLOCK_N), as TMA boxes of the cache
 viewed as a [blocks * block_size, heads * head_dim] matrix: 14-27% faster on the H200 at 128-row
 tiles (`MIN_DESC_BLOCK_M`), the pipeline then holding one more K/V tile in flight.
+
+An FP8 cache is dequantized in registers as in paged_decode.py (k_scale in the softmax scale,
+v_scale on the output).
 """
 
 import torch
@@ -25,7 +28,7 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from nanovllm.kernels.gemm import tma_compatible
-from nanovllm.kernels.paged_decode import fold_scores
+from nanovllm.kernels.paged_decode import check_cache_dtype, fold_scores
 from nanovllm.kernels.pdl import PDL_LAUNCH, pdl_prologue
 
 _LOG2E = 1.4426950408889634
@@ -53,7 +56,7 @@ def _load_kv(ptrs, n_mask, d, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, MAS
 def _attend_tile(q, acc, m_i, l_i, n0, offs_n, bt_row, k_head, v_head, d, q_pos,
                  kv_end, qk_scale, stride_kb, stride_kt, stride_vb, stride_vt,
                  HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, PAGE_SIZE: tl.constexpr,
-                 MASKED: tl.constexpr, DOT_PREC: tl.constexpr):
+                 MASKED: tl.constexpr, DOT_PREC: tl.constexpr, KV_FP8: tl.constexpr):
     """One online-softmax step over the keys n0 .. n0 + BLOCK_N."""
     pos = n0 + offs_n
     n_mask = pos < kv_end
@@ -67,6 +70,8 @@ def _attend_tile(q, acc, m_i, l_i, n0, offs_n, bt_row, k_head, v_head, d, q_pos,
                  n_mask, d, HEAD_DIM, BLOCK_D, MASKED)
     v = _load_kv(v_head + (blk * stride_vb + tok * stride_vt)[:, None] + d[None, :],
                  n_mask, d, HEAD_DIM, BLOCK_D, MASKED)
+    if KV_FP8:  # the scales are in qk_scale and applied to the output
+        k, v = k.to(q.dtype), v.to(q.dtype)
 
     s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * qk_scale  # [BLOCK_M, BLOCK_N]
     if MASKED:
@@ -78,13 +83,16 @@ def _attend_tile(q, acc, m_i, l_i, n0, offs_n, bt_row, k_head, v_head, d, q_pos,
 
 @triton.jit
 def _attend_tile_desc(q, acc, m_i, l_i, n0, offs_n, blk, k_desc, v_desc, col, q_pos, kv_end, qk_scale,
-                      PAGE_SIZE: tl.constexpr, MASKED: tl.constexpr, DOT_PREC: tl.constexpr):
+                      PAGE_SIZE: tl.constexpr, MASKED: tl.constexpr, DOT_PREC: tl.constexpr,
+                      KV_FP8: tl.constexpr):
     """`_attend_tile` with K/V through TMA tensor descriptors over the cache viewed as
     [blocks * PAGE_SIZE, heads * D]: a key tile lies in one cache block (blk), so it is one box."""
     pos = n0 + offs_n
     row = blk * PAGE_SIZE + n0 % PAGE_SIZE
     k = k_desc.load([row, col])
     v = v_desc.load([row, col])
+    if KV_FP8:
+        k, v = k.to(q.dtype), v.to(q.dtype)
     s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * qk_scale  # [BLOCK_M, BLOCK_N]
     if MASKED:
         n_mask = pos < kv_end
@@ -98,7 +106,7 @@ def _attend_tile_desc(q, acc, m_i, l_i, n0, offs_n, blk, k_desc, v_desc, col, q_
 @triton.jit
 def _attend_range_desc(q, acc, m_i, l_i, lo, hi, blk, bt_row, offs_n, k_desc, v_desc, col, q_pos, kv_end, qk_scale,
                        BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr, MASKED: tl.constexpr,
-                       DOT_PREC: tl.constexpr):
+                       DOT_PREC: tl.constexpr, KV_FP8: tl.constexpr):
     """`_attend_tile_desc` over the key tiles lo, lo + BLOCK_N, .. < hi. blk: the first tile's block
     id; each next one is loaded a tile ahead and carried, so the descriptor loads do not depend on a
     load of their own iteration (the pipeliner would spend a stage on it). Returns the block id of
@@ -107,7 +115,7 @@ def _attend_range_desc(q, acc, m_i, l_i, lo, hi, blk, bt_row, offs_n, k_desc, v_
         nxt = n0 + BLOCK_N
         blk_next = tl.load(bt_row + nxt // PAGE_SIZE, mask=nxt < kv_end, other=0)
         acc, m_i, l_i = _attend_tile_desc(q, acc, m_i, l_i, n0, offs_n, blk, k_desc, v_desc, col, q_pos,
-                                          kv_end, qk_scale, PAGE_SIZE, MASKED, DOT_PREC)
+                                          kv_end, qk_scale, PAGE_SIZE, MASKED, DOT_PREC, KV_FP8)
         blk = blk_next
     return acc, m_i, l_i, blk
 
@@ -119,7 +127,7 @@ def _attend_range_desc(q, acc, m_i, l_i, lo, hi, blk, bt_row, offs_n, k_desc, v_
             do_not_specialize_on_alignment=["cu_seqlens_q_ptr", "seq_lens_ptr", "block_tables_ptr"])
 def _prefill_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr,
-    cu_seqlens_q_ptr, seq_lens_ptr, block_tables_ptr,
+    cu_seqlens_q_ptr, seq_lens_ptr, block_tables_ptr, k_scale_ptr, v_scale_ptr,  # the scales: KV_FP8 only
     qk_scale,  # softmax scale * log2(e)
     num_kv_heads,
     stride_qt, stride_qh,
@@ -136,6 +144,7 @@ def _prefill_kernel(
     PAGE_SIZE: tl.constexpr,
     DOT_PREC: tl.constexpr,
     KV_DESC: tl.constexpr,  # K/V tiles through k_desc/v_desc (needs PAGE_SIZE % BLOCK_N == 0, BLOCK_D == HEAD_DIM)
+    KV_FP8: tl.constexpr,  # float8_e4m3fn caches holding k / k_scale, v / v_scale of each KV head
 ):
     # The layout (step inputs, no kernel's output) is read before the programmatic-launch wait.
     b = tl.program_id(0) // num_kv_heads
@@ -162,6 +171,8 @@ def _prefill_kernel(
     q_row = (q_start + tok).to(tl.int64)
     q = tl.load(q_ptr + q_row[:, None] * stride_qt + q_head[:, None] * stride_qh + d[None, :],
                 mask=io_mask, other=0.0)
+    if KV_FP8:  # dequantized in registers: k's scale joins the softmax scale, v's the output's
+        qk_scale = qk_scale * tl.load(k_scale_ptr + kv_head)
 
     m_i = tl.full([BLOCK_M], _NEG_INIT, tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
@@ -179,24 +190,26 @@ def _prefill_kernel(
         col = kv_head * HEAD_DIM
         acc, m_i, l_i, blk = _attend_range_desc(q, acc, m_i, l_i, 0, full_end, tl.load(bt_row), bt_row, offs_n,
                                                 k_desc, v_desc, col, q_pos, kv_end, qk_scale,
-                                                BLOCK_N, PAGE_SIZE, False, DOT_PREC)
+                                                BLOCK_N, PAGE_SIZE, False, DOT_PREC, KV_FP8)
         acc, m_i, l_i, blk = _attend_range_desc(q, acc, m_i, l_i, full_end, kv_end, blk, bt_row, offs_n,
                                                 k_desc, v_desc, col, q_pos, kv_end, qk_scale,
-                                                BLOCK_N, PAGE_SIZE, True, DOT_PREC)
+                                                BLOCK_N, PAGE_SIZE, True, DOT_PREC, KV_FP8)
     else:
         for n0 in range(0, full_end, BLOCK_N):
             acc, m_i, l_i = _attend_tile(q, acc, m_i, l_i, n0, offs_n, bt_row, k_head, v_head, d,
                                          q_pos, kv_end, qk_scale,
                                          stride_kb, stride_kt, stride_vb, stride_vt,
-                                         HEAD_DIM, BLOCK_D, PAGE_SIZE, False, DOT_PREC)
+                                         HEAD_DIM, BLOCK_D, PAGE_SIZE, False, DOT_PREC, KV_FP8)
         for n0 in range(full_end, kv_end, BLOCK_N):
             acc, m_i, l_i = _attend_tile(q, acc, m_i, l_i, n0, offs_n, bt_row, k_head, v_head, d,
                                          q_pos, kv_end, qk_scale,
                                          stride_kb, stride_kt, stride_vb, stride_vt,
-                                         HEAD_DIM, BLOCK_D, PAGE_SIZE, True, DOT_PREC)
+                                         HEAD_DIM, BLOCK_D, PAGE_SIZE, True, DOT_PREC, KV_FP8)
 
     # Every stored row saw key 0, so l_i > 0 there; the guard only protects padded rows.
     o = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
+    if KV_FP8:
+        o = o * tl.load(v_scale_ptr + kv_head)
     tl.store(out_ptr + q_row[:, None] * stride_ot + q_head[:, None] * stride_oh + d[None, :],
              o.to(out_ptr.dtype.element_ty), mask=io_mask)
 
@@ -253,6 +266,7 @@ def paged_prefill_attention(
     max_query_len: int,
     scale: float,
     out: torch.Tensor | None = None,
+    kv_scales: tuple[torch.Tensor, torch.Tensor] | None = None,
     _config: tuple | None = None,  # (BLOCK_M, BLOCK_N, num_warps, num_stages), for benchmarks
     _kv_desc: bool | None = None,  # K/V through TMA descriptors (None: where `_desc_applies`), for benchmarks
 ) -> torch.Tensor:
@@ -261,12 +275,13 @@ def paged_prefill_attention(
     q: [total_q, Hq, D]; k_cache/v_cache: [num_blocks, block_size, Hkv, D];
     cu_seqlens_q: [B+1] int32; seq_lens: [B] int32 (>= each sequence's q_len);
     block_tables: [B, max_blocks] int32; max_query_len: host int >= every q_len.
+    kv_scales: for float8_e4m3fn caches, (k_scale, v_scale) [Hkv] fp32 (the cache holds k / k_scale).
     Returns ``out`` ([total_q, Hq, D], q's dtype).
     """
     total_q, num_q_heads, head_dim = q.shape
     _, page_size, num_kv_heads, _ = k_cache.shape
     assert num_q_heads % num_kv_heads == 0 and k_cache.shape[-1] == head_dim
-    assert q.dtype == k_cache.dtype == v_cache.dtype, "q and the KV cache must share a dtype"
+    kv_fp8 = check_cache_dtype(q, k_cache, v_cache, kv_scales)
     group = num_q_heads // num_kv_heads
     batch = seq_lens.shape[0]
     assert cu_seqlens_q.shape[0] == batch + 1
@@ -296,7 +311,7 @@ def paged_prefill_attention(
         k_desc = v_desc = k_cache  # KV_DESC=False never reads them
     _prefill_kernel[grid](
         q, k_cache, v_cache, out,
-        cu_seqlens_q, seq_lens, block_tables,
+        cu_seqlens_q, seq_lens, block_tables, *(kv_scales if kv_fp8 else (k_cache, k_cache)),  # placeholders: aligned
         scale * _LOG2E,
         num_kv_heads,
         q.stride(0), q.stride(1),
@@ -308,6 +323,6 @@ def paged_prefill_attention(
         GROUP=group, BLOCK_Q=block_q, BLOCK_M=block_m, BLOCK_N=block_n,
         HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim),
         PAGE_SIZE=page_size,
-        DOT_PREC="ieee" if q.dtype == torch.float32 else "tf32", KV_DESC=kv_desc,
+        DOT_PREC="ieee" if q.dtype == torch.float32 else "tf32", KV_DESC=kv_desc, KV_FP8=kv_fp8,
         num_warps=num_warps, num_stages=num_stages, **PDL_LAUNCH)
     return out

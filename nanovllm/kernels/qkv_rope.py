@@ -15,6 +15,7 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
+from nanovllm.kernels.fp8 import FP8_DTYPE, quantize_to_fp8
 from nanovllm.kernels.fused_ops import norm_rope_math
 from nanovllm.kernels.gemm import MAX_DENSE_K, mainloop, tma_compatible
 from nanovllm.kernels.pdl import PDL_LAUNCH, pdl_prologue
@@ -23,11 +24,11 @@ from nanovllm.kernels.pdl import PDL_LAUNCH, pdl_prologue
 @triton.jit(do_not_specialize=["M"])
 def _qkv_rope_kernel(
     a_desc, w_desc, M,
-    pos_ptr, cs_ptr, slot_ptr, qw_ptr, kw_ptr, q_out_ptr, k_cache_ptr, v_cache_ptr,
+    pos_ptr, cs_ptr, slot_ptr, qw_ptr, kw_ptr, q_out_ptr, k_cache_ptr, v_cache_ptr, ks_ptr, vs_ptr,
     stride_cs, stride_qot, stride_qoh, stride_cb, stride_ct, stride_ch, block_size,
     eps,
     HQ: tl.constexpr, HKV: tl.constexpr, HEAD_DIM: tl.constexpr, HALF: tl.constexpr, K: tl.constexpr,
-    BM: tl.constexpr, BK: tl.constexpr, HAS_NORM: tl.constexpr,
+    BM: tl.constexpr, BK: tl.constexpr, HAS_NORM: tl.constexpr, KV_FP8: tl.constexpr,
 ):
     # grid = (Hq + 2 Hkv heads, cdiv(M, BM)). Positions, slots and the cos/sin table are step
     # inputs and constants: read before the programmatic-launch wait.
@@ -56,16 +57,27 @@ def _qkv_rope_kernel(
         # Slot < 0: a padding row of a CUDA-graph batch (and rows past M), not stored.
         row = (slot // block_size) * stride_cb + (slot % block_size) * stride_ct
         ok = (slot >= 0)[:, None]
+        # An FP8 cache holds each head divided by its scale (the store kernels' arithmetic).
         if head < HQ + HKV:
             o1, o2 = norm_rope_math(x1, x2, kw_ptr, d, cos, sin, eps, in_ty, HAS_NORM, HALF, BM, out_ty)
             dst = k_cache_ptr + row[:, None] + (head - HQ) * stride_ch + d
             cache_ty = k_cache_ptr.dtype.element_ty
-            tl.store(dst, o1.to(out_ty).to(cache_ty), mask=ok)
-            tl.store(dst + HALF, o2.to(out_ty).to(cache_ty), mask=ok)
+            if KV_FP8:
+                s = tl.load(ks_ptr + head - HQ)
+                tl.store(dst, quantize_to_fp8(o1.to(out_ty).to(tl.float32), s), mask=ok)
+                tl.store(dst + HALF, quantize_to_fp8(o2.to(out_ty).to(tl.float32), s), mask=ok)
+            else:
+                tl.store(dst, o1.to(out_ty).to(cache_ty), mask=ok)
+                tl.store(dst + HALF, o2.to(out_ty).to(cache_ty), mask=ok)
         else:
             dst = v_cache_ptr + row[:, None] + (head - HQ - HKV) * stride_ch + d
-            tl.store(dst, x1.to(v_cache_ptr.dtype.element_ty), mask=ok)
-            tl.store(dst + HALF, x2.to(v_cache_ptr.dtype.element_ty), mask=ok)
+            if KV_FP8:
+                s = tl.load(vs_ptr + head - HQ - HKV)
+                tl.store(dst, quantize_to_fp8(x1, s), mask=ok)
+                tl.store(dst + HALF, quantize_to_fp8(x2, s), mask=ok)
+            else:
+                tl.store(dst, x1.to(v_cache_ptr.dtype.element_ty), mask=ok)
+                tl.store(dst + HALF, x2.to(v_cache_ptr.dtype.element_ty), mask=ok)
 
 
 class QkvRopeConfig(NamedTuple):
@@ -95,12 +107,13 @@ def qkv_rope_store_kv(x: torch.Tensor, weight: torch.Tensor, num_q_heads: int, n
                       positions: torch.Tensor, cos_sin_cache: torch.Tensor, k_cache: torch.Tensor,
                       v_cache: torch.Tensor, slot_mapping: torch.Tensor, q_weight: torch.Tensor | None = None,
                       k_weight: torch.Tensor | None = None, eps: float = 1e-6,
-                      config: QkvRopeConfig | None = None, q_out: torch.Tensor | None = None) -> torch.Tensor | None:
+                      config: QkvRopeConfig | None = None, q_out: torch.Tensor | None = None,
+                      k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None) -> torch.Tensor | None:
     """``qk_norm_rope_store_kv(*split(x @ weight^T))`` in one launch: returns q ``[M, Hq, D]``
     (normed with q_weight when given, rotated) and writes k (normed, rotated) and v into the caches
-    ``[num_blocks, block_size, Hkv, D]`` at ``slot_mapping`` (slots < 0 skipped). weight: the fused
-    ``[(Hq + 2 Hkv) D, K]`` projection; q_out: q's buffer, else fresh memory. None (nothing done) where
-    no configuration applies."""
+    ``[num_blocks, block_size, Hkv, D]`` at ``slot_mapping`` (slots < 0 skipped; an FP8 cache gets
+    them divided by k_scale / v_scale ``[Hkv]``). weight: the fused ``[(Hq + 2 Hkv) D, K]`` projection;
+    q_out: q's buffer, else fresh memory. None (nothing done) where no configuration applies."""
     m, k = x.shape
     head_dim = k_cache.shape[-1]
     config = config or qkv_rope_config(m, k, head_dim)
@@ -108,6 +121,8 @@ def qkv_rope_store_kv(x: torch.Tensor, weight: torch.Tensor, num_q_heads: int, n
         return None
     assert weight.shape == ((num_q_heads + 2 * num_kv_heads) * head_dim, k) and x.dtype == weight.dtype
     assert k_cache.stride() == v_cache.stride() and k_cache.stride(-1) == 1 and cos_sin_cache.stride(-1) == 1
+    kv_fp8 = k_cache.dtype == FP8_DTYPE
+    assert not kv_fp8 or (k_scale is not None and v_scale is not None), "an FP8 cache needs k_scale and v_scale"
     has_norm = q_weight is not None
     out_dtype = torch.promote_types(x.dtype, q_weight.dtype) if has_norm else x.dtype
     if q_out is None:
@@ -121,9 +136,9 @@ def qkv_rope_store_kv(x: torch.Tensor, weight: torch.Tensor, num_q_heads: int, n
     _qkv_rope_kernel[(num_q_heads + 2 * num_kv_heads, triton.cdiv(m, bm))](
         TensorDescriptor.from_tensor(x, [bm, bk]), TensorDescriptor.from_tensor(weight, [head_dim, bk]), m,
         positions.reshape(-1), cos_sin_cache, slot_mapping.reshape(-1), q_weight.contiguous(), k_weight.contiguous(),
-        q, k_cache, v_cache,
+        q, k_cache, v_cache, *((k_scale, v_scale) if kv_fp8 else (cos_sin_cache,) * 2),
         cos_sin_cache.stride(0), q.stride(0), q.stride(1), *k_cache.stride()[:3], k_cache.shape[1],
         float(eps),
         HQ=num_q_heads, HKV=num_kv_heads, HEAD_DIM=head_dim, HALF=head_dim // 2, K=k, BM=bm, BK=bk, HAS_NORM=has_norm,
-        num_warps=warps, num_stages=stages, enable_fp_fusion=False, **PDL_LAUNCH)
+        KV_FP8=kv_fp8, num_warps=warps, num_stages=stages, enable_fp_fusion=False, **PDL_LAUNCH)
     return q

@@ -13,6 +13,19 @@ def store_kv_cache(key, value, k_cache, v_cache, slot_mapping):
     v_cache.view(-1, *v_cache.shape[2:])[slots] = value[valid].to(v_cache.dtype)
 
 
+def copy_kv_prefixes(kv_cache, copies, max_tokens=None):
+    """Reference of ``nanovllm.kernels.copy_kv.copy_kv_prefixes``: the cache as rows of one
+    token's K or V per layer, each destination row gathered from its source row."""
+    two, num_layers, num_blocks, block_size = kv_cache.shape[:4]
+    rows = kv_cache.view(two * num_layers, num_blocks * block_size, -1)
+    src_rows, dst_rows = [], []
+    for src, dst, n in copies.t().tolist():
+        src_rows += range(src * block_size, src * block_size + n)
+        dst_rows += range(dst * block_size, dst * block_size + n)
+    if dst_rows:
+        rows[:, torch.tensor(dst_rows)] = rows[:, torch.tensor(src_rows)]
+
+
 def gather_kv(cache: torch.Tensor, block_table: torch.Tensor, length: int) -> torch.Tensor:
     """The first ``length`` tokens of one sequence: ``[length, num_kv_heads, head_dim]``."""
     block_size = cache.shape[1]
@@ -98,3 +111,48 @@ def random_paged_kv(seq_lens, num_kv_heads, head_dim, block_size, dtype, device,
         k_cache.view(-1, num_kv_heads, head_dim)[unused] = float("nan")
         v_cache.view(-1, num_kv_heads, head_dim)[unused] = float("nan")
     return k_cache, v_cache, block_tables.to(device)
+
+
+# ---- block FP8 ---------------------------------------------------------------------------------
+FP8_MAX = 448.0
+
+
+def per_token_group_quant_fp8(x: torch.Tensor, group: int = 128, eps: float = 1e-10):
+    """Reference of ``kernels.fp8_quant.per_token_group_quant``: x [M, K] -> (float8_e4m3fn [M, K],
+    fp32 scales [M, ceil(K / group)]) with x ~= q * scale per group of `group` columns."""
+    m, k = x.shape
+    groups = -(-k // group)
+    xg = F.pad(x.float(), (0, groups * group - k)).view(m, groups, group)
+    scale = xg.abs().amax(-1).clamp_min(eps) / FP8_MAX
+    q = (xg / scale[..., None]).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    return q.view(m, groups * group)[:, :k], scale
+
+
+def dequantize_groups(q: torch.Tensor, scale: torch.Tensor, group: int = 128) -> torch.Tensor:
+    """q [M, K] fp8 with scales [M, ceil(K / group)] -> fp32 [M, K]."""
+    return q.float() * scale.repeat_interleave(group, dim=1)[:, :q.shape[1]]
+
+
+def dequantize_blocks(w: torch.Tensor, scale: torch.Tensor, block: tuple[int, int] = (128, 128)) -> torch.Tensor:
+    """w [N, K] fp8 with scales [ceil(N / bn), ceil(K / bk)] -> fp32 [N, K]."""
+    n, k = w.shape
+    s = scale.repeat_interleave(block[0], dim=0)[:n].repeat_interleave(block[1], dim=1)[:, :k]
+    return w.float() * s
+
+
+def w8a8_block_matmul(q: torch.Tensor, q_scale: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor,
+                      out_dtype: torch.dtype) -> torch.Tensor:
+    """Reference of the block-scaled FP8 GEMMs: dequantize both operands, multiply in fp32.
+    q [M, K] fp8, q_scale [M, ceil(K/128)]; w [N, K] fp8, w_scale [ceil(N/128), ceil(K/128)]."""
+    return (dequantize_groups(q, q_scale) @ dequantize_blocks(w, w_scale).T).to(out_dtype)
+
+
+def quantize_kv_fp8(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """What an FP8 KV cache stores for x [T, Hkv, D] (in the activation dtype) with per-head scales
+    [Hkv]: x / scale, clamped, rounded to float8_e4m3fn."""
+    return (x.float() / scale.float()[:, None]).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+
+
+def dequantize_kv_cache(cache: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """An FP8 cache [blocks, block_size, Hkv, D] as the attention kernels read it: cache * scale, in dtype."""
+    return (cache.float() * scale.float()[:, None]).to(dtype)

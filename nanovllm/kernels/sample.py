@@ -8,6 +8,12 @@ dtype replaces the float copy, softmax, noise tensor and division of the torch p
 
 The vocabulary is split across programs (a row alone is too little parallelism for one SM);
 each writes its best (score, index) and a second, tiny pass picks the row's winner.
+
+Structured outputs: rows under a grammar draw only the tokens their bitmask allows (xgrammar's
+layout: bit j % 32 of int32 word j // 32 set = token j allowed). The masks are compact (one per
+constrained row) and `mask_rows[row]` picks a row's mask, -1 for none: an unconstrained row reads
+no mask, and a batch without masks runs the kernel variant that has no mask code at all.
+`apply_token_bitmask_` writes the masks into the logits instead, for the sampler's other paths.
 """
 from typing import NamedTuple
 
@@ -90,11 +96,20 @@ def best_lane(best, best_id, vocab_size):
     return top, tl.min(tl.where(best == top, best_id, vocab_size), axis=0)
 
 
+@triton.jit
+def token_allowed(mask_row_ptr, cols, in_range):
+    """Whether each of cols is allowed by the bitmask row at mask_row_ptr (int32 words); lanes off
+    in_range read nothing and count as allowed."""
+    words = tl.load(mask_row_ptr + (cols >> 5), mask=in_range, other=-1)
+    return ((words >> (cols & 31)) & 1) != 0
+
+
 @triton.jit(do_not_specialize=["chunk", "num_splits"])  # batch-dependent: one variant
 def _sample_split_kernel(logits_ptr, stride_row, temps_ptr, row_keys_ptr, seeds_ptr, offsets_ptr,
                          part_score_ptr, part_idx_ptr, vocab_size, chunk, num_splits,
+                         mask_rows_ptr, masks_ptr, mask_words,
                          BLOCK: tl.constexpr, SEEDED: tl.constexpr, FAST_LOG: tl.constexpr,
-                         PREFETCH: tl.constexpr):
+                         PREFETCH: tl.constexpr, HAS_MASK: tl.constexpr):
     pdl_prologue()
     row = tl.program_id(0)
     split = tl.program_id(1)
@@ -111,6 +126,10 @@ def _sample_split_kernel(logits_ptr, stride_row, temps_ptr, row_keys_ptr, seeds_
     base = logits_ptr + row.to(tl.int64) * stride_row
     lo = split * chunk
     hi = tl.minimum(lo + chunk, vocab_size)
+    if HAS_MASK:
+        mask_row = tl.load(mask_rows_ptr + row)
+        masked = tl.full([BLOCK], mask_row, tl.int32) >= 0  # as a block: the interpreter's loads want one
+        mask_row_ptr = masks_ptr + tl.maximum(mask_row, 0).to(tl.int64) * mask_words
     if PREFETCH:  # the next tile's load is in flight while this tile's noise is computed
         x_next = tl.load(base + lo + tl.arange(0, BLOCK), mask=lo + tl.arange(0, BLOCK) < hi, other=float("-inf"))
     for start in range(lo, hi, BLOCK):
@@ -121,6 +140,8 @@ def _sample_split_kernel(logits_ptr, stride_row, temps_ptr, row_keys_ptr, seeds_
             x_next = tl.load(base + cols + BLOCK, mask=cols + BLOCK < hi, other=float("-inf"))
         else:
             x = tl.load(base + cols, mask=mask, other=float("-inf")).to(tl.float32)
+        if HAS_MASK:
+            x = tl.where(token_allowed(mask_row_ptr, cols, mask & masked), x, float("-inf"))
         score = gumbel_max_scores(x, key, salt, cols, greedy, inv_t, FAST_LOG)
         best, best_idx = keep_best(best, best_idx, tl.where(mask, score, float("-inf")), cols)
     top, idx = best_lane(best, best_idx, vocab_size)
@@ -164,10 +185,13 @@ def _num_splits(batch: int, vocab_size: int, device: torch.device, config: Sampl
 
 def sample_rows(logits: torch.Tensor, temperatures: torch.Tensor, row_keys: torch.Tensor | None,
                 out: torch.Tensor | None = None, seeds: torch.Tensor | None = None,
-                offsets: torch.Tensor | None = None, _config: SampleConfig | None = None) -> torch.Tensor:
+                offsets: torch.Tensor | None = None, _config: SampleConfig | None = None,
+                mask_rows: torch.Tensor | None = None, masks: torch.Tensor | None = None) -> torch.Tensor:
     """logits [B, V] (any float dtype, unit stride on V); temperatures [B] float32 (0: greedy);
     row_keys [B] int64 from `nanovllm.layers.sampler.row_keys`, or None with seeds and offsets
     [B] int64 to derive them in the kernel (same keys). Returns [B] int64 token ids.
+    mask_rows [B] int32 and masks [K, ceil(V / 32)] int32: row i draws only the tokens of
+    masks[mask_rows[i]] (all tokens where mask_rows[i] < 0); see the module's docstring.
     _config: another `SampleConfig`, for tuning. On the GPU the default draws with
     approximate logs: a row can then differ from the torch sampler's draw where its two best scores
     tie to ~1e-5 (the noise's float error), never otherwise."""
@@ -188,14 +212,44 @@ def sample_rows(logits: torch.Tensor, temperatures: torch.Tensor, row_keys: torc
     part_score = torch.empty(batch, splits, dtype=torch.float32, device=logits.device)
     part_idx = torch.empty(batch, splits, dtype=torch.int32, device=logits.device)
     keys = seeds if seeded else row_keys  # a valid pointer for the argument the variant ignores
+    has_mask = masks is not None
     _sample_split_kernel[(batch, splits)](logits, logits.stride(0), temperatures, keys,
                                           seeds if seeded else keys, offsets if seeded else keys,
                                           part_score, part_idx, vocab_size, chunk, splits,
+                                          mask_rows if has_mask else keys, masks if has_mask else keys,
+                                          masks.shape[1] if has_mask else 0,
                                           BLOCK=config.block, SEEDED=seeded, FAST_LOG=config.fast_log,
-                                          PREFETCH=config.prefetch, num_warps=config.num_warps, **PDL_LAUNCH)
+                                          PREFETCH=config.prefetch, HAS_MASK=has_mask, num_warps=config.num_warps,
+                                          **PDL_LAUNCH)
     _sample_merge_kernel[(batch,)](part_score, part_idx, out, splits, vocab_size,
                                    BLOCK_S=_MAX_SPLITS, num_warps=1, **PDL_LAUNCH)  # one variant for any batch
     return out
+
+
+@triton.jit
+def _apply_token_bitmask_kernel(logits_ptr, stride_row, masks_ptr, masked_rows_ptr, mask_words, vocab_size,
+                                BLOCK: tl.constexpr):
+    pdl_prologue()
+    k = tl.program_id(0)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    in_range = cols < vocab_size
+    row = tl.load(masked_rows_ptr + k)
+    ptr = logits_ptr + row * stride_row + cols
+    allowed = token_allowed(masks_ptr + k.to(tl.int64) * mask_words, cols, in_range)
+    tl.store(ptr, tl.full([BLOCK], float("-inf"), logits_ptr.dtype.element_ty), mask=in_range & ~allowed)
+
+
+def apply_token_bitmask_(logits: torch.Tensor, masks: torch.Tensor, masked_rows: torch.Tensor) -> torch.Tensor:
+    """In place: logits[masked_rows[k], j] = -inf for every token j that masks[k] does not allow.
+    logits [B, V] (unit stride on V), masks [K, ceil(V / 32)] int32, masked_rows [K] int64."""
+    num, vocab_size = masks.shape[0], logits.shape[1]
+    assert logits.stride(-1) == 1
+    if num:
+        block = 4096
+        _apply_token_bitmask_kernel[(num, triton.cdiv(vocab_size, block))](
+            logits, logits.stride(0), masks, masked_rows, masks.shape[1], vocab_size, BLOCK=block, num_warps=4,
+            **PDL_LAUNCH)
+    return logits
 
 
 @triton.jit

@@ -6,6 +6,10 @@ class RMSNorm(nn.Module):
     """RMSNorm computed in fp32 like the HF reference; with a residual, the add is fused in and
     the updated residual returned (pre-norm transformer blocks)."""
 
+    # The input form of the quantized projection this norm feeds (layers/quantization): on the GPU
+    # the norm's kernel then writes its output in that form (block FP8) instead of the plain tensor.
+    quant_out = None
+
     def __init__(self, hidden_size: int, eps: float = 1e-6):
         super().__init__()
         self.eps = eps
@@ -19,6 +23,10 @@ class RMSNorm(nn.Module):
         """x: a tensor, or (on the GPU, with a residual) a `SplitKOutput` whose partials the fused
         kernel sums."""
         if (x if residual is None else residual).is_cuda:  # one fused kernel instead of ~8 elementwise ones
+            if self.quant_out is not None:
+                from nanovllm.kernels.fp8_quant import fused_add_rms_norm_quant
+                out, residual = fused_add_rms_norm_quant(x, residual, self.weight, self.eps)
+                return out if residual is None else (out, residual)
             from nanovllm.kernels.fused_ops import fused_add_rms_norm, rms_norm
             if residual is None:
                 return rms_norm(x, self.weight, self.eps)

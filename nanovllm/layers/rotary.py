@@ -61,14 +61,16 @@ class RotaryEmbedding(nn.Module):
     def forward_store_kv(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                          kv_cache: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
                          q_norm: nn.Module | None = None, k_norm: nn.Module | None = None,
-                         q_out: torch.Tensor | None = None) -> torch.Tensor:
+                         q_out: torch.Tensor | None = None, kv_scales: tuple | None = None) -> torch.Tensor:
         """forward(), but the new keys and the values v [T, Hkv, D] go straight into the paged cache
         kv_cache = (k_cache, v_cache, slot_mapping) (slots < 0 skipped); returns q (in q_out when
         given). One Triton launch instead of rope + the attention backend's K/V store, for backends
-        that read keys only from the cache (AttentionBackend.fuses_kv_store)."""
+        that read keys only from the cache (AttentionBackend.fuses_kv_store). kv_scales: an FP8
+        cache's (k_scale, v_scale)."""
         from nanovllm.kernels.fused_ops import qk_norm_rope_store_kv
+        k_scale, v_scale = kv_scales or (None, None)
         return qk_norm_rope_store_kv(q, k, v, positions, self.cos_sin_cache, *kv_cache, *norm_args(q_norm, k_norm),
-                                     q_out=q_out)
+                                     q_out=q_out, k_scale=k_scale, v_scale=v_scale)
 
 
 def norm_args(q_norm: nn.Module | None = None, k_norm: nn.Module | None = None) -> tuple:

@@ -14,10 +14,16 @@ distribution (vLLM's default "raw_logprobs").
 
 Each optional stage runs only when a host-side field of the metadata says some row needs it, and
 only on those rows (`*_rows`, None meaning every row), so a batch that uses none pays nothing.
+
+Grammar bitmasks (structured outputs) come first: the plain draw on the GPU applies them inside its
+one pass; every other path writes them into the logits as -inf first (so logprobs are those of the
+constrained distribution, as in vLLM, where the mask is applied before the sampler). logit_bias is
+added with the min_tokens bans, before penalties.
 """
 from dataclasses import dataclass
 from typing import NamedTuple
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -150,7 +156,8 @@ def draw_with_kernels(draw, logits: torch.Tensor, meta: SamplingMetadata, keys: 
     """A `filter_kernels` draw on the logits as the bans and penalties leave them: penalties on
     float32 logits, as on the torch path; bans alone as -inf in a copy in the logits' own dtype
     (the float32 path's -inf: the same draws)."""
-    x = processed_logits(logits, meta) if meta.penalties is not None else _banned(logits, meta)
+    x = (processed_logits(logits, meta) if meta.penalties is not None or meta.bias_ids is not None
+         else _banned(logits, meta))
     return draw(x, meta, keys)
 
 
@@ -230,12 +237,36 @@ def _banned(x: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
 
 
 def processed_logits(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
-    """min_tokens bans and penalties, in float32: the logits that greedy rows take the argmax of.
-    Returns logits itself (no copy) when they are float32 and the batch uses neither."""
+    """min_tokens bans, logit_bias and penalties, in float32: the logits that greedy rows take the
+    argmax of. Returns logits itself (no copy) when they are float32 and the batch uses none."""
     x = _banned(logits.float(), meta)
-    if meta.penalties is not None:  # in place where x is already a copy (of 16-bit logits, or by the bans)
+    if meta.bias_ids is not None:  # in place where x is already a copy (of 16-bit logits, or by the bans)
+        x = x if x is not logits else x.clone()
+        x.index_put_((meta.bias_rows, meta.bias_ids), meta.bias_values, accumulate=True)
+    if meta.penalties is not None:
         x = apply_penalties_(x if x is not logits else x.clone(), meta.penalties)
     return x
+
+
+def unpack_bitmask(masks: torch.Tensor, vocab_size: int, allowed: bool = True) -> torch.Tensor:
+    """[K, ceil(V / 32)] int32 bitmasks (on the CPU) -> [K, V] bool, True where a token is allowed
+    (or, with allowed=False, where it is not)."""
+    words = masks.numpy().view(np.uint8)  # little-endian: byte i of word w holds tokens 32w + 8i ...
+    bits = np.unpackbits(words if allowed else ~words, axis=1, bitorder="little")
+    return torch.from_numpy(bits.view(np.bool_))[:, :vocab_size]
+
+
+def apply_token_bitmask(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
+    """In place: -inf wherever a row's grammar mask forbids a token."""
+    if logits.is_cuda:
+        from nanovllm.kernels.sample import apply_token_bitmask_
+        return apply_token_bitmask_(logits, meta.masks, meta.masked_rows)
+    forbidden = unpack_bitmask(meta.masks, logits.shape[1], allowed=False)
+    if forbidden.shape[0] == logits.shape[0]:  # every row (the masked rows are all, in order)
+        return logits.masked_fill_(forbidden, float("-inf"))
+    for k, row in enumerate(meta.masked_rows.tolist()):  # in place on each row: no gather of rows
+        logits[row].masked_fill_(forbidden[k], float("-inf"))
+    return logits
 
 
 def _on_rows(x: torch.Tensor, rows: torch.Tensor | None, fn) -> torch.Tensor:
@@ -253,20 +284,27 @@ class Sampler(nn.Module):
         return processed_logits(logits, meta)
 
     def sample(self, logits: torch.Tensor, meta: SamplingMetadata) -> SamplerOutput:
+        """Grammar masks (meta.masks) are written into logits, except where the fused draw takes them."""
         filters = meta.min_p is not None or meta.top_k is not None or meta.top_p is not None
         keys = meta.row_keys if meta.row_keys is not None else row_keys(meta.seeds, meta.offsets)
         kernel_draw = filter_kernel_draw(logits.dtype, meta) if logits.is_cuda else None
+        fused = logits.is_cuda and not filters
+        masks_in_draw = fused and meta.max_num_logprobs is None
+        if meta.masks is not None and not masks_in_draw:
+            logits = apply_token_bitmask(logits, meta)
         if kernel_draw is not None:  # the filters and the draw in Triton kernels: no vocabulary sort
             tokens = draw_with_kernels(kernel_draw, logits, meta, keys)
             if meta.max_num_logprobs is None:
                 return SamplerOutput(tokens)
             return self._with_logprobs(logits.float(), tokens, meta.max_num_logprobs)
-        if logits.is_cuda and not filters:
+        if fused:
             # One fused pass over the logits (kernels/sample.py) replaces the float copy, softmax,
             # noise tensor and division of the general path; the same draws up to float rounding.
             from nanovllm.kernels.sample import sample_rows
-            x = logits if meta.banned_ids is None and meta.penalties is None else self.process_logits(logits, meta)
-            tokens = sample_rows(x, meta.temperatures, keys)
+            plain = meta.banned_ids is None and meta.penalties is None and meta.bias_ids is None
+            x = logits if plain else self.process_logits(logits, meta)
+            masks = meta.masks if masks_in_draw else None
+            tokens = sample_rows(x, meta.temperatures, keys, mask_rows=meta.mask_rows, masks=masks)
             if meta.max_num_logprobs is None:
                 return SamplerOutput(tokens)
             return self._with_logprobs(logits.float(), tokens, meta.max_num_logprobs)

@@ -34,3 +34,13 @@ class SamplingMetadata:
     banned_rows: torch.Tensor | None = None
     banned_ids: torch.Tensor | None = None
     max_num_logprobs: int | None = None       # largest `logprobs` of the batch; None: no row wants any
+    # logit_bias: (row, token id, bias) triples added to the logits.
+    bias_rows: torch.Tensor | None = None
+    bias_ids: torch.Tensor | None = None
+    bias_values: torch.Tensor | None = None   # float32
+    # Grammar bitmasks (structured outputs), one per constrained row: the sampler draws row
+    # masked_rows[k] only from the tokens masks[k] allows (kernels/sample.py's layout);
+    # mask_rows[i] = k, or -1 for a row without one. None: no row of the batch has a mask.
+    masks: torch.Tensor | None = None          # [K, ceil(V / 32)] int32
+    mask_rows: torch.Tensor | None = None      # [B] int32
+    masked_rows: torch.Tensor | None = None    # [K] int64

@@ -7,19 +7,21 @@ from nanovllm.layers.attention import Attention
 from nanovllm.layers.embed_head import ParallelLMHead, VocabParallelEmbedding
 from nanovllm.layers.layernorm import RMSNorm
 from nanovllm.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+from nanovllm.layers.quantization import input_quant
 from nanovllm.layers.rotary import RotaryEmbedding, norm_args, rope_parameters
 
 
 class DecoderAttention(nn.Module):
-    def __init__(self, config, qkv_bias: bool, o_bias: bool, qk_norm: bool):
+    def __init__(self, config, qkv_bias: bool, o_bias: bool, qk_norm: bool, quant_config=None):
         super().__init__()
         num_heads = config.num_attention_heads
         num_kv_heads = getattr(config, "num_key_value_heads", None) or num_heads
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // num_heads
-        self.qkv_proj = QKVParallelLinear(config.hidden_size, self.head_dim, num_heads, num_kv_heads, qkv_bias)
+        self.qkv_proj = QKVParallelLinear(config.hidden_size, self.head_dim, num_heads, num_kv_heads, qkv_bias,
+                                          quant_config)
         self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
         self.q_size, self.kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        self.o_proj = RowParallelLinear(num_heads * self.head_dim, config.hidden_size, o_bias)
+        self.o_proj = RowParallelLinear(num_heads * self.head_dim, config.hidden_size, o_bias, quant_config)
         theta, scaling = rope_parameters(config)
         self.rotary_emb = RotaryEmbedding(self.head_dim, config.max_position_embeddings, theta, scaling)
         self.attn = Attention(self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim ** -0.5)
@@ -41,10 +43,11 @@ class DecoderAttention(nn.Module):
             # Decode batches: one kernel from x to q and the cached k/v; else the rotary kernel
             # writes k and v into the paged cache itself (a launch less per layer either way).
             q = self.qkv_proj.rope_store_kv(x, positions, self.rotary_emb.cos_sin_cache, kv_cache,
-                                            *norm_args(*norms), q_out=meta.q_out)
+                                            *norm_args(*norms), q_out=meta.q_out, kv_scales=self.attn.kv_scales)
             if q is None:
                 q, k, v = self._qkv_heads(x)
-                q = self.rotary_emb.forward_store_kv(positions, q, k, v, kv_cache, *norms, q_out=meta.q_out)
+                q = self.rotary_emb.forward_store_kv(positions, q, k, v, kv_cache, *norms, q_out=meta.q_out,
+                                                     kv_scales=self.attn.kv_scales)
             o = self.attn(q, None, None, meta, kv_stored=True)
         else:
             q, k, v = self._qkv_heads(x)
@@ -55,13 +58,14 @@ class DecoderAttention(nn.Module):
 
 
 class DecoderMLP(nn.Module):
-    def __init__(self, config, bias: bool):
+    def __init__(self, config, bias: bool, quant_config=None):
         super().__init__()
         if getattr(config, "hidden_act", "silu") != "silu":
             raise ValueError(f"unsupported hidden_act {config.hidden_act!r}; only 'silu' is supported")
         inter = config.intermediate_size
-        self.gate_up_proj = MergedColumnParallelLinear(config.hidden_size, [inter, inter], bias)
-        self.down_proj = RowParallelLinear(inter, config.hidden_size, bias)
+        self.gate_up_proj = MergedColumnParallelLinear(config.hidden_size, [inter, inter], bias, quant_config)
+        self.down_proj = RowParallelLinear(inter, config.hidden_size, bias, quant_config)
+        self.gate_up_proj.quant_out = input_quant(self.down_proj)  # the SwiGLU hands down_proj its input form
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # Consumed by the next residual-add RMSNorm (next layer's or the final one).
@@ -69,12 +73,15 @@ class DecoderMLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config, qkv_bias, o_bias, qk_norm, mlp_bias):
+    def __init__(self, config, qkv_bias, o_bias, qk_norm, mlp_bias, quant_config=None):
         super().__init__()
-        self.self_attn = DecoderAttention(config, qkv_bias, o_bias, qk_norm)
-        self.mlp = DecoderMLP(config, mlp_bias)
+        self.self_attn = DecoderAttention(config, qkv_bias, o_bias, qk_norm, quant_config)
+        self.mlp = DecoderMLP(config, mlp_bias, quant_config)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        # Quantized projections take their input quantized by the norm that produces it (one kernel).
+        self.input_layernorm.quant_out = input_quant(self.self_attn.qkv_proj)
+        self.post_attention_layernorm.quant_out = input_quant(getattr(self.mlp, "gate_up_proj", None))
 
     def forward(self, positions, x, residual, meta):
         if residual is None:
@@ -87,10 +94,11 @@ class DecoderLayer(nn.Module):
 
 
 class DecoderModel(nn.Module):
-    def __init__(self, config, **switches):
+    def __init__(self, config, quant_config=None, **switches):
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(config, **switches) for _ in range(config.num_hidden_layers))
+        self.layers = nn.ModuleList(DecoderLayer(config, **switches, quant_config=quant_config)
+                                    for _ in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(self, input_ids, positions, meta):
@@ -115,10 +123,12 @@ class DecoderForCausalLM(nn.Module):
     def switches(cls, config) -> dict:
         raise NotImplementedError
 
-    def __init__(self, config):
+    def __init__(self, config, quant_config=None):
+        """quant_config: the linear layers' quantization (layers/quantization), None for plain weights;
+        the embeddings, norms and LM head stay in the model dtype."""
         super().__init__()
         self.config = config
-        self.model = DecoderModel(config, **self.switches(config))
+        self.model = DecoderModel(config, quant_config, **self.switches(config))
         self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         if self.tie_word_embeddings:
@@ -157,3 +167,25 @@ def check_tensor_parallel(config, size: int):
         raise ValueError(f"tensor_parallel_size={size} and num_key_value_heads={kv_heads}: one must divide the other")
     if config.intermediate_size % size:
         raise ValueError(f"tensor_parallel_size={size} must divide intermediate_size={config.intermediate_size}")
+
+
+def check_block_quantization(config, size: int, block: int = 128):
+    """Raise before any process starts if a fused projection's partition or a tensor-parallel shard of
+    a block-quantized checkpoint would start inside a block of `block` x `block` weights (the scales
+    could not be stacked or split). Every fused partition but the last must fill whole blocks (k and v,
+    gate and up being of one size here, all of them do), and so must every tensor-parallel shard."""
+    heads = config.num_attention_heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    inter = config.intermediate_size
+    per_rank = f" / tensor_parallel_size={size}" if size > 1 else ""
+    rows = {  # config expression -> rows (or columns) per rank that must fill whole blocks
+        f"num_attention_heads={heads} x head_dim={head_dim}{per_rank}": heads * head_dim // size,
+        f"num_key_value_heads={kv_heads} x head_dim={head_dim}{per_rank}": max(1, kv_heads // size) * head_dim,
+        f"intermediate_size={inter}{per_rank}": inter // size,
+    }
+    for what, n in rows.items():
+        if n % block:
+            raise ValueError(f"block-quantized FP8 weights (weight_block_size [{block}, {block}]): {what} = {n} is not "
+                             f"a multiple of {block}, so a fused-projection or tensor-parallel shard boundary would fall "
+                             "inside a weight block")

@@ -1,4 +1,5 @@
-"""Build a model from config.json and fill it from *.safetensors (or with random weights)."""
+"""Build a model from config.json and fill it from *.safetensors (or with random weights), then let
+quantized layers finish their weights (`process_weights_after_loading`)."""
 import glob
 import os
 
@@ -6,19 +7,51 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
+from nanovllm.distributed import tp_rank, tp_size
 from nanovllm.models.registry import get_model_class
 
+# An FP8 KV cache's per-layer scales, as checkpoints name them (vLLM's `self_attn.k_scale` / `v_scale`).
+_KV_SCALE_SUFFIXES = (".self_attn.k_scale", ".self_attn.v_scale")
 
-def build_model(hf_config, dtype: torch.dtype, device: torch.device) -> nn.Module:
+
+def build_model(hf_config, dtype: torch.dtype, device: torch.device, quant_config=None) -> nn.Module:
     model_cls = get_model_class(hf_config)
     prev = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
         with device:
-            model = model_cls(hf_config)
+            model = model_cls(hf_config, quant_config=quant_config)
     finally:
         torch.set_default_dtype(prev)
     return model.eval()
+
+
+@torch.no_grad()
+def process_weights_after_loading(model: nn.Module):
+    """Quantized layers turn what was loaded into their run-time form (layers/quantization)."""
+    for module in model.modules():
+        method = getattr(module, "quant_method", None)
+        if method is not None:
+            method.process_weights_after_loading(module)
+
+
+def _load_kv_scale(model: nn.Module, buffers: dict, name: str, tensor: torch.Tensor):
+    """`model.layers.N.self_attn.k_scale` (one value, or one per KV head) -> that layer's attention
+    buffer, this rank's heads."""
+    target = name.replace(".self_attn.", ".self_attn.attn.")
+    buf = buffers.get(target)
+    if buf is None:
+        raise ValueError(f"checkpoint tensor {name!r} has no matching attention layer in {type(model).__name__}")
+    tensor = tensor.float().flatten()
+    heads = getattr(model.config, "num_key_value_heads", None) or model.config.num_attention_heads
+    if tensor.numel() not in (1, heads) or not bool(torch.isfinite(tensor).all() and (tensor > 0).all()):
+        raise ValueError(f"checkpoint tensor {name!r} must hold one positive scale or one per KV head ({heads}), "
+                         f"got shape {tuple(tensor.shape)}")
+    if tensor.numel() == 1:
+        buf.fill_(tensor.item())
+    else:
+        start = tp_rank() * heads // tp_size()  # as QKVParallelLinear places this rank's (or replicated) heads
+        buf.copy_(tensor[start:start + buf.numel()])
 
 
 def load_weights(model: nn.Module, path: str):
@@ -26,6 +59,7 @@ def load_weights(model: nn.Module, path: str):
     if not files:
         raise FileNotFoundError(f"no *.safetensors files in {path!r} (use load_format='dummy' for random weights)")
     params = dict(model.named_parameters())
+    buffers = dict(model.named_buffers())
     packed = getattr(model, "packed_modules_mapping", {})
     loaded: set[str] = set()
     for file in files:
@@ -34,6 +68,9 @@ def load_weights(model: nn.Module, path: str):
                 if "rotary_emb.inv_freq" in name:
                     continue
                 if name == "lm_head.weight" and getattr(model, "tie_word_embeddings", False):
+                    continue
+                if name.endswith(_KV_SCALE_SUFFIXES):
+                    _load_kv_scale(model, buffers, name, f.get_tensor(name))
                     continue
                 target, shard_id = name, None
                 for ckpt_name, (fused_name, sid) in packed.items():

@@ -4,8 +4,11 @@ For each batch size of a ladder up to max_num_seqs, two graphs are captured at s
 memory pool, largest first:
 - `forward`: input ids -> model -> LM head, into the static `logits` buffer;
 - `sample`: the default draw (temperature or greedy, per-request seeds) from `logits` into the
-  static `sampled` buffer. A batch that needs more of the sampler (filters, penalties, logprobs,
-  min_tokens) replays `forward` only and runs the eager sampler on `logits`.
+  static `sampled` buffer; and `masked_sample`, the same draw under grammar bitmasks (structured
+  outputs), read from the runner's `BitmaskBuffers`. A batch that needs more of the sampler
+  (filters, penalties, logprobs, min_tokens) replays `forward` only and runs the eager sampler on
+  `logits`. A batch under grammars replays `forward` first and its draw once the host has filled
+  the masks (worker/model_runner.py), so the two are separate graphs.
 
 The graphs read their inputs from static buffers packed into ONE device allocation
 (`PackedInputs`): the host fills a pinned twin and sends it in one copy, so a decode step costs a
@@ -64,7 +67,7 @@ class PackedInputs:
 
 class CUDAGraphRunner:
     def __init__(self, model, max_bs: int, max_blocks_per_seq: int, vocab_size: int, dtype, device,
-                 max_model_len: int, capture_sampler: bool):
+                 max_model_len: int, capture_sampler: bool, bitmasks=None):
         self.model = model
         self.max_bs = max_bs
         self.max_model_len = max_model_len
@@ -86,8 +89,10 @@ class CUDAGraphRunner:
         self.logits = torch.zeros(max_bs, vocab_size, dtype=dtype, device=device)
         self.sampled = torch.zeros(max_bs, dtype=i64, device=device)
         self.capture_sampler = capture_sampler
+        self.bitmasks = bitmasks  # worker/grammar_masks.BitmaskBuffers: masked_sample's masks
         self.forward_graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.sample_graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.masked_sample_graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.pool = None
 
     def _meta(self, bs: int) -> AttentionMetadata:
@@ -111,6 +116,12 @@ class CUDAGraphRunner:
         sample_rows(self.logits[:bs], s["temperatures"][:bs], None, out=self.sampled[:bs],
                     seeds=s["seeds"][:bs], offsets=s["offsets"][:bs])
 
+    def _masked_sample(self, bs: int):
+        from nanovllm.kernels.sample import sample_rows
+        s, m = self.static, self.bitmasks.static
+        sample_rows(self.logits[:bs], s["temperatures"][:bs], None, out=self.sampled[:bs],
+                    seeds=s["seeds"][:bs], offsets=s["offsets"][:bs], mask_rows=m["mask_rows"][:bs], masks=m["masks"])
+
     def _capture(self, fn, bs: int) -> torch.cuda.CUDAGraph:
         fn(bs)  # warm-up outside the graph: compiles kernels and settles allocator state
         graph = torch.cuda.CUDAGraph()
@@ -126,14 +137,17 @@ class CUDAGraphRunner:
             self.forward_graphs[bs] = self._capture(self._forward, bs)
             if self.capture_sampler:
                 self.sample_graphs[bs] = self._capture(self._sample, bs)
+                if self.bitmasks is not None:
+                    self.masked_sample_graphs[bs] = self._capture(self._masked_sample, bs)
         torch.cuda.synchronize()
 
     def reset(self):
         """Free every captured graph (see ModelRunner.release_graphs)."""
-        for graph in [*self.forward_graphs.values(), *self.sample_graphs.values()]:
+        graphs = (self.forward_graphs, self.sample_graphs, self.masked_sample_graphs)
+        for graph in [g for family in graphs for g in family.values()]:
             graph.reset()
-        self.forward_graphs.clear()
-        self.sample_graphs.clear()
+        for family in graphs:
+            family.clear()
 
     def can_run(self, num_seqs: int, num_decodes: int) -> bool:
         return num_seqs == num_decodes and num_seqs <= self.max_bs and bool(self.forward_graphs)
@@ -150,6 +164,10 @@ class CUDAGraphRunner:
         self.forward_graphs[bs].replay()
         if sample:
             self.sample_graphs[bs].replay()
+
+    def replay_sample(self, bs: int, masked: bool):
+        """The default draw alone (after `replay(bs, sample=False)`), under the masks sent if masked."""
+        (self.masked_sample_graphs if masked else self.sample_graphs)[bs].replay()
 
     # ---- the general path: inputs already on the device (tensor-parallel ranks) ---------
     def run(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:

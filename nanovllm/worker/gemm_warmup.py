@@ -49,7 +49,11 @@ def warm_gemms(model: torch.nn.Module, max_tokens: int, max_rows: int, device: t
     inputs = {k: flat[:max_tokens * k].view(max_tokens, k) for k in widths}
     for m in token_ladder(max_tokens):
         for module in projections.values():
-            F.linear(inputs[module.weight.shape[1]][:m], module.weight, module.bias)
+            x = inputs[module.weight.shape[1]][:m]
+            if module.quant_method is not None:  # its own products (block-scaled torch._scaled_mm past our kernel)
+                module.quant_method.apply(module, x, module.bias)
+            else:
+                F.linear(x, module.weight, module.bias)
     for rows in range(1, min(max_rows, max_tokens) + 1):
         for module in heads.values():
             F.linear(inputs[module.weight.shape[1]][:rows], module.weight)

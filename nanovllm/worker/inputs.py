@@ -30,6 +30,7 @@ class HostInputs:
     pending_dst: np.ndarray | None = None
     pending_src: np.ndarray | None = None
     decode_order: np.ndarray | None = None  # [num_decodes] int32: decode rows, longest context first
+    kv_copies: np.ndarray | None = None  # [3, C] int64: source blocks, destination blocks, leading tokens
 
 
 @dataclass
@@ -87,7 +88,13 @@ def build_host_inputs(batch: ScheduledBatch, block_size: int,
         pending_src=(np.fromiter((last_row_of_seq[seqs[i].seq_id] for i in pending), np.int64, pending.size)
                      if pending.size else None),
         decode_order=np.argsort(-seq_lens[:nd], kind="stable").astype(np.int32) if nd else None,
+        kv_copies=kv_copies_array(batch.kv_copies),
     )
+
+
+def kv_copies_array(copies: list[tuple[int, int, int]]) -> np.ndarray | None:
+    """A batch's prefix KV copies as the [3, C] array the copy kernel reads (None: no copies)."""
+    return np.ascontiguousarray(np.array(copies, dtype=np.int64).T) if copies else None
 
 
 SEED_MASK = (1 << 64) - 1  # a seed is any Python int; the noise hash sees its low 64 bits

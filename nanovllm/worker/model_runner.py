@@ -1,8 +1,16 @@
 """Owns the model, its paged KV cache, the sampler and the CUDA graphs on one device (one
 tensor-parallel rank). `execute` launches a step and returns at once; the sampled tokens are
-fetched later, so on a GPU the host prepares the next step while this one runs."""
+fetched later, so on a GPU the host prepares the next step while this one runs.
+
+A step under grammars (structured outputs) launches in two parts: `execute(batch,
+defer_sampling=True)` launches the forward pass (and prepares the sampling parameters, as of the
+batch's launch), and `sample(output, fill_masks)`, called once the engine has taken in the
+previous step's tokens, has the grammar fill the bitmasks into pinned memory, sends them in one
+copy and launches the draw, while the forward pass runs on the device."""
+from dataclasses import dataclass
 from operator import attrgetter
 
+import numpy as np
 import torch
 
 from nanovllm.attention.registry import get_attention_backend
@@ -13,15 +21,26 @@ from nanovllm.engine.scheduler import ScheduledBatch
 from nanovllm.engine.sequence import Sequence
 from nanovllm.layers.cpu_linear import pack_linear_weights
 from nanovllm.layers.sampler import LogprobsLists, Sampler, SamplerOutput
-from nanovllm.models.loader import build_model, init_dummy_weights, load_weights
+from nanovllm.layers.sampling_metadata import SamplingMetadata
+from nanovllm.models.loader import build_model, init_dummy_weights, load_weights, process_weights_after_loading
 from nanovllm.worker.gemm_warmup import warm_gemms
+from nanovllm.worker.grammar_masks import BitmaskBuffers, MaskFillStats, timed_fill
 from nanovllm.worker.inputs import (HostInputs, HostToDevice, TransferSlots, build_host_inputs, fill_decode_inputs,
-                                    to_device)
+                                    kv_copies_array, to_device)
 from nanovllm.worker.sampling_inputs import build_sampling_metadata
 
 _CPU_DEFAULT_KV_BYTES = 512 << 20
 _seq_id = attrgetter("seq_id")
 _plain_sampling = attrgetter("plain_sampling")
+
+
+@dataclass
+class _DeferredDraw:
+    """A launched forward pass whose draw waits for grammar masks (`ModelRunner.sample`)."""
+    logits: torch.Tensor
+    meta: SamplingMetadata | None       # None: the graphs' default draw
+    graph_bs: int | None                # the decode graphs' padded batch, or None (eager)
+    forward_done: torch.cuda.Event | None
 
 
 class StepOutput:
@@ -32,10 +51,19 @@ class StepOutput:
     wait_for = staticmethod(torch.cuda.Event.synchronize)
 
     def __init__(self, seqs: list[Sequence], sampled: SamplerOutput | None, host: SamplerOutput | None = None,
-                 event=None):
+                 event=None, deferred: _DeferredDraw | None = None):
         """Either `sampled` (copied to fresh pinned memory here), or `host` copies already queued
-        with the `event` recorded after them."""
+        with the `event` recorded after them, or `deferred`: nothing drawn yet (see `awaits_masks`)."""
         self.seqs = seqs
+        self.deferred = deferred
+        self._complete(sampled, host, event)
+
+    @property
+    def awaits_masks(self) -> bool:
+        """The step's draw waits for `ModelRunner.sample` (its rows' grammar masks)."""
+        return self.deferred is not None
+
+    def _complete(self, sampled: SamplerOutput | None, host: SamplerOutput | None = None, event=None):
         self._host, self._event = host, event
         if sampled is not None:
             self._host = sampled.to_host()  # queued copies on a GPU
@@ -64,11 +92,12 @@ class PinnedTokenRing:
         self._buffers = [torch.zeros(max_rows, dtype=torch.int64, pin_memory=True) for _ in range(size)]
         self._slots = TransferSlots(size)
 
-    def copy(self, seqs: list[Sequence], tokens: torch.Tensor) -> StepOutput:
+    def copy(self, tokens: torch.Tensor) -> tuple[SamplerOutput, torch.cuda.Event]:
+        """Queue the copy of tokens; (their host copy, the event to wait for before reading it)."""
         i = self._slots.take()
         host = self._buffers[i][:tokens.shape[0]]
         host.copy_(tokens, non_blocking=True)
-        return StepOutput(seqs, None, SamplerOutput(host), self._slots.copied(i))
+        return SamplerOutput(host), self._slots.copied(i)
 
 
 class ModelRunner:
@@ -79,11 +108,12 @@ class ModelRunner:
         self.block_size = config.kvcache_block_size
         set_tensor_parallel(rank, config.tensor_parallel_size)
         torch.manual_seed(config.seed)
-        self.model = build_model(config.hf_config, config.torch_dtype, self.device)
+        self.model = build_model(config.hf_config, config.torch_dtype, self.device, config.quant_config)
         if config.load_format == "dummy":
             init_dummy_weights(self.model, config.seed)
         else:
             load_weights(self.model, config.model)
+        process_weights_after_loading(self.model)  # quantized layers: FP8 weights, or dequantized on the CPU
         if self.device.type == "cpu":
             pack_linear_weights(self.model)  # bf16: oneDNN's layout once, not at every product
         self.sampler = Sampler()
@@ -105,17 +135,23 @@ class ModelRunner:
         self.graph_runner = None
         self.piecewise = None
         self.stage = HostToDevice(self.device)
+        self.bitmasks = BitmaskBuffers(config.max_num_seqs, config.hf_config.vocab_size, self.device)
+        self.mask_fill = MaskFillStats()
         # Block ids are shared by all tensor-parallel ranks: every rank holds as many as the smallest.
         self.num_blocks = min_over_ranks(self._num_kv_blocks())
         self.kv_cache = self._allocate_kv_cache(self.num_blocks)
+        self._copy_kernel = None  # the torch path copies on the CPU
         if self.device.type == "cuda":
+            from nanovllm.kernels.copy_kv import copy_kv_prefixes
+            self._copy_kernel = copy_kv_prefixes
             self._compile_kernels()
         if self.device.type == "cuda" and not config.enforce_eager and self.backend.supports_cuda_graphs:
             from nanovllm.worker.cuda_graph import CUDAGraphRunner
             # Rank 0 of a tensor-parallel group samples outside the graphs (its workers never sample).
             self.graph_runner = CUDAGraphRunner(self.model, config.max_num_seqs, self.max_blocks_per_seq,
                                                 config.hf_config.vocab_size, config.torch_dtype, self.device,
-                                                config.max_model_len, capture_sampler=config.tensor_parallel_size == 1)
+                                                config.max_model_len, capture_sampler=config.tensor_parallel_size == 1,
+                                                bitmasks=self.bitmasks)
             self.graph_runner.capture()
             self._token_ring = PinnedTokenRing(config.max_num_seqs)
             from nanovllm.worker import piecewise_graph
@@ -134,8 +170,8 @@ class ModelRunner:
     # ---- KV cache -----------------------------------------------------------------------
     @property
     def block_bytes(self) -> int:
-        """Bytes of one block across all layers, K and V."""
-        elem = torch.tensor([], dtype=self.config.torch_dtype).element_size()
+        """Bytes of one block across all layers, K and V (one byte per value in an FP8 cache)."""
+        elem = torch.tensor([], dtype=self.config.kv_cache_torch_dtype).element_size()
         return 2 * self.num_layers * self.block_size * self.num_kv_heads * self.head_dim * elem
 
     def _num_kv_blocks(self) -> int:
@@ -156,10 +192,13 @@ class ModelRunner:
 
     def _allocate_kv_cache(self, num_blocks: int) -> torch.Tensor:
         # Zeroed: masked-out context slots are multiplied by zero weights, which NaN would poison.
+        dtype = self.config.kv_cache_torch_dtype
         kv = torch.zeros(2, self.num_layers, num_blocks, self.block_size, self.num_kv_heads, self.head_dim,
-                         dtype=self.config.torch_dtype, device=self.device)
+                         dtype=dtype, device=self.device)
+        fp8 = dtype == torch.float8_e4m3fn  # the kernels then quantize with, and dequantize by, the layer's scales
         for i, attn in enumerate(self.model.attention_layers):
             attn.k_cache, attn.v_cache = kv[0, i], kv[1, i]
+            attn.kv_scales = (attn.k_scale, attn.v_scale) if fp8 else None
         return kv
 
     def _largest_step_layout(self, num_tokens: int, num_seqs: int) -> tuple[int, int]:
@@ -221,6 +260,7 @@ class ModelRunner:
                 seqs.append(seq)
             self.execute(ScheduledBatch(seqs, lens, num_decodes=sum(1 for n in lens if n == 1))).token_ids()
         self._last_sampled, self._last_row_of_seq = None, {}
+        self.copy_kv_prefixes(np.array([[0], [0], [1]], dtype=np.int64))  # a block onto itself: no change
         warm_gemms(self.model, self.config.max_num_batched_tokens, self.config.max_num_seqs, self.device,
                    self.config.torch_dtype)
         self._warm_sampler()
@@ -248,16 +288,60 @@ class ModelRunner:
                 seqs = [Sequence([1, 2, 3], SamplingParams(temperature=0.8, **extra), seed=i) for i in range(rows)]
                 meta = build_sampling_metadata(seqs, self.device, self.eos_token_ids, vocab, stage=self.stage)
                 self.sampler.sample(logits, meta)
+            # Under grammar masks: the fused draw's masked variant, and the kernel writing masks into logits.
+            for extra in ({}, {"logprobs": 5}, {"top_k": 50}):
+                seqs = [Sequence([1, 2, 3], SamplingParams(temperature=0.8, **extra), seed=i) for i in range(rows)]
+                meta = build_sampling_metadata(seqs, self.device, self.eos_token_ids, vocab, stage=self.stage)
+                mask_rows, masks = self.bitmasks.host()
+                mask_rows[:rows] = range(rows)
+                masks[:rows] = -1  # every token allowed
+                meta.mask_rows, meta.masks, meta.masked_rows = self.bitmasks.send(rows, rows)
+                self.sampler.sample(logits.clone(), meta)
 
     # ---- one step -----------------------------------------------------------------------
     @torch.inference_mode()
-    def execute(self, batch: ScheduledBatch) -> StepOutput:
+    def execute(self, batch: ScheduledBatch, defer_sampling: bool = False) -> StepOutput:
+        """Launch the step. defer_sampling: launch the forward pass only; the draw waits for
+        `sample` (the batch has rows under a grammar)."""
         g = self.graph_runner
         if g is not None and g.capture_sampler and g.can_run(len(batch.seqs), batch.num_decodes):
-            return self._execute_graphed_decode(batch.seqs)
+            if batch.kv_copies:  # a prefix hit one token short of the prompt admits a "decode"
+                self.copy_kv_prefixes(kv_copies_array(batch.kv_copies))
+            return self._execute_graphed_decode(batch.seqs, defer_sampling)
         host = self.host_inputs(batch)
         seqs = [batch.seqs[i] for i in host.sample_rows]
-        return self.run(host, seqs)
+        return self.run(host, seqs, defer_sampling)
+
+    @torch.inference_mode()
+    def sample(self, output: StepOutput, fill_masks) -> None:
+        """Draw a deferred step's tokens: fill_masks(seqs, mask_rows, masks) -> number of masks
+        writes the bitmasks of the rows that need one into this step's pinned buffer
+        (structured_output.manager.StructuredOutputs.fill_masks); then one copy, and the draw."""
+        deferred, output.deferred = output.deferred, None
+        seqs, n = output.seqs, len(output.seqs)
+        rows, masks = self.bitmasks.host()
+        num_masks = timed_fill(fill_masks, seqs, rows, masks, self.mask_fill, deferred.forward_done)
+        g, bs = self.graph_runner, deferred.graph_bs
+        if bs is not None and deferred.meta is None:  # the graphs' default draw
+            rows[n:bs] = -1  # padding rows
+            if num_masks:
+                self.bitmasks.send(bs, num_masks)
+            g.replay_sample(bs, masked=num_masks > 0)
+            self._remember_sampled(seqs, g.sampled)
+            output._complete(None, *self._token_ring.copy(g.sampled[:n]))
+            return
+        meta = deferred.meta
+        if num_masks:
+            meta.mask_rows, meta.masks, meta.masked_rows = self.bitmasks.send(n, num_masks)
+        output._complete(self._draw(seqs, deferred.logits, meta))
+
+    def _forward_done(self) -> torch.cuda.Event | None:
+        """An event behind the forward pass just launched (for MaskFillStats), on a GPU."""
+        if self.device.type != "cuda":
+            return None
+        event = torch.cuda.Event()
+        event.record()
+        return event
 
     def host_inputs(self, batch: ScheduledBatch) -> HostInputs:
         """The step's inputs as host arrays; decode inputs still pending on the host index the
@@ -265,9 +349,12 @@ class ModelRunner:
         return build_host_inputs(batch, self.block_size, self._last_row_of_seq)
 
     @torch.inference_mode()
-    def run(self, host: HostInputs, sample_seqs: list[Sequence] | None) -> StepOutput:
+    def run(self, host: HostInputs, sample_seqs: list[Sequence] | None, defer_sampling: bool = False) -> StepOutput:
         """Forward pass over prepared inputs; sample when sample_seqs is given (tensor-parallel
-        workers other than rank 0 pass None: they only contribute to the forward)."""
+        workers other than rank 0 pass None: they only contribute to the forward), or leave the
+        draw to `sample` when defer_sampling."""
+        if host.kv_copies is not None:
+            self.copy_kv_prefixes(host.kv_copies)
         fb = to_device(host, self.stage, self.config.max_model_len)
         if fb.pending_dst is not None:
             fb.input_ids[fb.pending_dst] = self._pending_tokens()[fb.pending_src]
@@ -283,7 +370,22 @@ class ModelRunner:
             logits = self.model.compute_logits(hidden[fb.logits_indices])
         if sample_seqs is None:
             return StepOutput([], None)
-        return self._sample(sample_seqs, logits)
+        meta = self._sampling_metadata(sample_seqs)
+        if defer_sampling:
+            return StepOutput(sample_seqs, None, deferred=_DeferredDraw(logits, meta, None, self._forward_done()))
+        return StepOutput(sample_seqs, self._draw(sample_seqs, logits, meta))
+
+    def copy_kv_prefixes(self, copies: np.ndarray):
+        """Start blocks of requests whose prefix hit ends inside a cached block: the leading tokens'
+        KV of each source block ([3, C]: sources, destinations, tokens), every layer, before the
+        step's forward on the same stream (the sources' KV was written by steps launched before;
+        the block manager keeps the sources from reuse until this step is launched)."""
+        if self._copy_kernel is not None:
+            self._copy_kernel(self.kv_cache, self.stage(copies)[0], int(copies[2].max()))
+            return
+        kv = self.kv_cache
+        for src, dst, n in copies.T.tolist():
+            kv[:, :, dst, :n] = kv[:, :, src, :n]
 
     def _pending_tokens(self) -> torch.Tensor:
         """The previous step's sampled tokens, which this step's pending inputs index. Only rank 0
@@ -297,24 +399,26 @@ class ModelRunner:
             self._tp_sampled[:self._last_sampled.shape[0]].copy_(self._last_sampled)
         return broadcast_from_rank0(self._tp_sampled)
 
-    def _sample(self, seqs: list[Sequence], logits: torch.Tensor) -> StepOutput:
+    def _sampling_metadata(self, seqs: list[Sequence]) -> SamplingMetadata:
+        """The eager sampler's parameters for seqs, as of now (before this step's tokens are pending)."""
+        return build_sampling_metadata(seqs, self.device, self.eos_token_ids, self.config.hf_config.vocab_size,
+                                       self._last_sampled, self._last_row_of_seq, stage=self.stage)
+
+    def _draw(self, seqs: list[Sequence], logits: torch.Tensor, meta: SamplingMetadata) -> SamplerOutput:
         """The eager sampler (any parameters) on this step's logits."""
-        meta = build_sampling_metadata(seqs, self.device, self.eos_token_ids,
-                                       self.config.hf_config.vocab_size, self._last_sampled, self._last_row_of_seq,
-                                       stage=self.stage)
         sampled = self.sampler.sample(logits, meta)
         if self.graph_runner is not None:
             # Where the graphs look for the previous step's tokens (prev_rows index this buffer).
             sampled.token_ids = self.graph_runner.sampled[:len(seqs)].copy_(sampled.token_ids)
         self._remember_sampled(seqs, sampled.token_ids)
-        return StepOutput(seqs, sampled)
+        return sampled
 
     def _remember_sampled(self, seqs: list[Sequence], tokens: torch.Tensor):
         """The next step reads its pending inputs from `tokens` on the device: row i is seqs[i]'s."""
         self._last_sampled = tokens
         self._last_row_of_seq = dict(zip(map(_seq_id, seqs), range(len(seqs))))
 
-    def _execute_graphed_decode(self, seqs: list[Sequence]) -> StepOutput:
+    def _execute_graphed_decode(self, seqs: list[Sequence], defer_sampling: bool) -> StepOutput:
         """A pure decode step on one device: inputs filled into the graphs' pinned buffer and sent
         in one copy, then the forward graph and (for plain sampling) the sampling graph."""
         g = self.graph_runner
@@ -323,11 +427,15 @@ class ModelRunner:
         fill_decode_inputs(g.inputs.host(), seqs, bs, self.block_size, self._last_row_of_seq)
         g.send_inputs(bs)
         plain = all(map(_plain_sampling, seqs))
-        g.replay(bs, sample=plain)
+        g.replay(bs, sample=plain and not defer_sampling)
+        logits = g.logits[:n]
+        meta = None if plain else self._sampling_metadata(seqs)
+        if defer_sampling:
+            return StepOutput(seqs, None, deferred=_DeferredDraw(logits, meta, bs, self._forward_done()))
         if not plain:
-            return self._sample(seqs, g.logits[:n])
+            return StepOutput(seqs, self._draw(seqs, logits, meta))
         self._remember_sampled(seqs, g.sampled)
-        return self._token_ring.copy(seqs, g.sampled[:n])
+        return StepOutput(seqs, None, *self._token_ring.copy(g.sampled[:n]))
 
     def release_graphs(self):
         """Free the captured CUDA graphs; eager steps remain possible. A tensor-parallel rank must

@@ -66,7 +66,7 @@ class _GraphSplitter:
         self.graphs[-1].capture_end()
         self.capturing = False
 
-    def forward(self, q, k, v, k_cache, v_cache, meta, scale, kv_stored=False, out=None):
+    def forward(self, q, k, v, k_cache, v_cache, meta, scale, kv_stored=False, out=None, kv_scales=None):
         assert kv_stored and q.data_ptr() == meta.q_out.data_ptr(), "q must be in the static q buffer"
         if self.capturing:
             self.end()
@@ -157,6 +157,7 @@ class PiecewiseGraphs:
         q, out = self.q[:t], self.attn_out[:t]
         for piece, attn in zip(pieces, self.attention_layers):
             piece.replay()
-            attn.backend.forward(q, None, None, attn.k_cache, attn.v_cache, meta, attn.scale, kv_stored=True, out=out)
+            attn.backend.forward(q, None, None, attn.k_cache, attn.v_cache, meta, attn.scale, kv_stored=True, out=out,
+                                 kv_scales=attn.kv_scales)
         pieces[-1].replay()
         return self.hidden[:t]

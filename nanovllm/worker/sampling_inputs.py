@@ -34,6 +34,7 @@ def build_sampling_metadata(seqs: list[Sequence], device: torch.device, eos_toke
     min_p_rows, min_ps = [], []
     penalty_rows = []
     banned_rows, banned_ids = [], []
+    bias_rows, bias_ids, bias_values = [], [], []
     max_logprobs = None
     for i, seq in enumerate(seqs):
         sp = seq.sampling_params
@@ -53,12 +54,17 @@ def build_sampling_metadata(seqs: list[Sequence], device: torch.device, eos_toke
                 min_ps.append(sp.min_p)
         if sp.presence_penalty != 0.0 or sp.frequency_penalty != 0.0 or sp.repetition_penalty != 1.0:
             penalty_rows.append(i)
-        if num_out < sp.min_tokens:
+        # Under a grammar, its mask keeps stop tokens out instead (structured_output/manager.py).
+        if num_out < sp.min_tokens and (seq.grammar is None or not seq.grammar.bans_stop_tokens):
             ids = set(sp.stop_token_ids) if sp.ignore_eos else set(sp.stop_token_ids) | set(eos_token_ids)
             if vocab_size is not None:
                 ids = [t for t in ids if t < vocab_size]
             banned_rows.extend([i] * len(ids))
             banned_ids.extend(ids)
+        if sp.logit_bias is not None:
+            bias_rows.extend([i] * len(sp.logit_bias))
+            bias_ids.extend(sp.logit_bias)
+            bias_values.extend(sp.logit_bias.values())
         if sp.logprobs is not None and (max_logprobs is None or sp.logprobs > max_logprobs):
             max_logprobs = sp.logprobs
     greedy = temps == 0.0
@@ -103,6 +109,10 @@ def build_sampling_metadata(seqs: list[Sequence], device: torch.device, eos_toke
         meta.min_p = _to_device(np.asarray(min_ps, dtype=np.float32), device)
     if histories is not None:
         meta.penalties = histories.inputs(on_device[4:], _rows(penalty_rows, num_seqs, device), last_sampled)
+    if bias_ids:
+        meta.bias_rows = _to_device(np.asarray(bias_rows, dtype=np.int64), device)
+        meta.bias_ids = _to_device(np.asarray(bias_ids, dtype=np.int64), device)
+        meta.bias_values = _to_device(np.asarray(bias_values, dtype=np.float32), device)
     if banned_ids:
         meta.banned_rows = _to_device(np.asarray(banned_rows, dtype=np.int64), device)
         meta.banned_ids = _to_device(np.asarray(banned_ids, dtype=np.int64), device)

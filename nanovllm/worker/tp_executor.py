@@ -171,9 +171,9 @@ class TensorParallelExecutor:
         return payloads
 
     # ---- one step ------------------------------------------------------------------------
-    def execute(self, batch: ScheduledBatch) -> StepOutput:
+    def execute(self, batch: ScheduledBatch, defer_sampling: bool = False) -> StepOutput:
         """Launch one step on every rank and return at once, as a ModelRunner does; waiting for
-        its tokens also watches the workers."""
+        its tokens also watches the workers. A deferred draw (`sample`) is rank 0's alone."""
         self._check_workers()
         # Decode inputs that the step in flight samples are resolved on the devices (rank 0's
         # runner broadcasts its last tokens), by the rows of rank 0's samples.
@@ -185,7 +185,7 @@ class TensorParallelExecutor:
                 conn.send_bytes(blob)
             distributed.set_tensor_parallel(0, self.size)
             try:
-                output = self.runner.run(host, seqs)
+                output = self.runner.run(host, seqs, defer_sampling)
             finally:
                 distributed.set_tensor_parallel(0, 1)
         except BaseException as exc:
@@ -193,6 +193,13 @@ class TensorParallelExecutor:
         if self.cuda:
             output.wait_for = self._wait_for_device
         return output
+
+    def sample(self, output: StepOutput, fill_masks):
+        """A deferred step's draw (ModelRunner.sample): on rank 0, after the forward all ranks ran."""
+        try:
+            self.runner.sample(output, fill_masks)
+        except BaseException as exc:
+            self._fail(exc)
 
     def _wait_for_device(self, done: torch.cuda.Event):
         """Wait for a step's event while watching the workers: if a peer died, the NCCL kernels

@@ -44,3 +44,31 @@ def test_decode_matches_per_sequence_attention_and_layers_share_the_layout(block
         assert meta.decode_gather is not None
         torch.testing.assert_close(out.double(), _reference(q, caches[0], caches[1], tables, lens, scale),
                                    atol=1e-5, rtol=1e-5)
+
+
+def test_fp8_cache_stores_quantized_heads_and_attends_over_their_dequantized_values():
+    """An FP8 cache: the store writes k / k_scale (per head, e4m3), decode attends over cache * scale."""
+    gen = torch.Generator().manual_seed(7)
+    lens, hq, hkv, d, block_size = [3, 20], 4, 2, 32, 16
+    num_blocks = 4
+    tables = torch.tensor([[0, 2], [1, 3]], dtype=torch.int32)
+    k_scale, v_scale = torch.tensor([0.5, 2.0]), torch.tensor([1.0, 0.25])
+    caches = torch.zeros(2, num_blocks, block_size, hkv, d, dtype=torch.float8_e4m3fn)
+    backend, scale = TorchAttentionBackend(), 1 / math.sqrt(d)
+    slots = torch.cat([tables[i, torch.arange(n) // block_size].long() * block_size + torch.arange(n) % block_size
+                       for i, n in enumerate(lens)])
+    k = torch.randn(len(slots), hkv, d, generator=gen) * 3
+    v = torch.randn(len(slots), hkv, d, generator=gen)
+    backend.store_kv(k, v, caches[0], caches[1], slots, (k_scale, v_scale))
+    stored_k = caches[0].view(-1, hkv, d)[slots]
+    assert torch.equal(stored_k.view(torch.uint8),
+                       (k / k_scale[:, None]).clamp(-448, 448).to(torch.float8_e4m3fn).view(torch.uint8))
+    meta = AttentionMetadata(num_seqs=len(lens), num_decodes=len(lens), slot_mapping=slots,
+                             query_start_loc=torch.arange(len(lens) + 1, dtype=torch.int32),
+                             seq_lens=torch.tensor(lens, dtype=torch.int32), block_tables=tables,
+                             max_query_len=1, max_seq_len=max(lens), seq_lens_host=lens)
+    q = torch.randn(len(lens), hq, d, generator=gen)
+    out = backend.forward(q, None, None, caches[0], caches[1], meta, scale, kv_stored=True,
+                          kv_scales=(k_scale, v_scale))
+    dequantized = [caches[i].float() * s[:, None] for i, s in enumerate((k_scale, v_scale))]
+    torch.testing.assert_close(out.double(), _reference(q, *dequantized, tables, lens, scale), atol=1e-5, rtol=1e-5)

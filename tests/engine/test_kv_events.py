@@ -24,29 +24,33 @@ class Recorder:
         self.events.append(("removed", block_hash))
 
 
-def _run_prompt(bm: BlockManager, tokens: list[int]) -> Sequence:
-    """A prompt's prefill, as the scheduler runs it (cf. test_block_manager.py)."""
+def _run_prompt(bm: BlockManager, tokens: list[int]) -> tuple[Sequence, int]:
+    """A prompt's prefill, as the scheduler runs it (cf. test_block_manager.py); with the number of
+    its tokens found in the prefix cache."""
     seq = Sequence(tokens, SamplingParams(max_tokens=1), seed=0)
-    cached = bm.lookup_prefix(seq)
-    n = seq.num_tokens - len(cached) * bm.block_size
-    assert bm.allocate(seq, n, cached)
+    hit = bm.lookup_prefix(seq)
+    n = seq.num_tokens - hit.num_tokens
+    assert bm.allocate(seq, n, hit)
+    bm.release_pins()  # the step is launched
     seq.num_computed_tokens += n
-    bm.cache_full_blocks(seq)
-    return seq
+    bm.publish(seq)
+    return seq, hit.num_tokens
 
 
 def test_block_manager_tells_its_observer_what_it_caches_and_evicts():
     bm = BlockManager(num_blocks=4, block_size=16)
     bm.observer = recorder = Recorder()
     a = list(range(40))  # two full blocks and a partial one
-    seq = _run_prompt(bm, a)
+    seq, _ = _run_prompt(bm, a)
     h0 = chain_hash(None, a[:16])
     h1 = chain_hash(h0, a[16:32])
     assert recorder.events == [("stored", h0, None, tuple(a[:16])), ("stored", h1, h0, tuple(a[16:32]))]
     bm.free(seq)
     recorder.events.clear()
-    again = _run_prompt(bm, a)  # a prefix hit: nothing new is stored
-    assert recorder.events == [] and again.num_cached_tokens == 32
+    # A prefix hit (both full blocks and 7 tokens of the partial one, which is not announced: vLLM's
+    # events name full blocks only): nothing new is stored.
+    again, num_hit = _run_prompt(bm, a)
+    assert recorder.events == [] and num_hit == 39
     bm.free(again)
     # A different prompt needs every block: the cached ones are evicted, oldest content last.
     _run_prompt(bm, list(range(100, 164)))

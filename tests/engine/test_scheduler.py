@@ -104,9 +104,12 @@ def test_prefix_hit_counts():
     sched.add(b)
     sched.add(c)
     batch = _step(sched)
-    assert batch.num_new_tokens == [3, 16]
-    assert (b.num_cached_tokens, c.num_cached_tokens) == (48, 32)
-    assert (bm.prefix_queries, bm.prefix_hits) == (50 + 51 + 48, 80)
+    # b: the 3 full blocks (its next tokens differ from a's); c: 2 full blocks and 15 tokens of
+    # the third, copied (c's 1 token left to compute makes it a decode, first in the batch).
+    assert batch.seqs == [c, b] and batch.num_new_tokens == [1, 3]
+    assert (b.num_cached_tokens, c.num_cached_tokens) == (48, 47)
+    assert batch.kv_copies == [(b.block_table[2], c.block_table[2], 15)]
+    assert (bm.prefix_queries, bm.prefix_hits) == (50 + 51 + 48, 95)
     _run(sched)
     assert bm.num_free_blocks == bm.num_blocks
 
@@ -121,3 +124,52 @@ def test_abort_waiting_and_running():
     sched.finish(b, "abort")
     assert not sched.has_unfinished() and bm.num_free_blocks == bm.num_blocks
     assert a.finish_reason == b.finish_reason == "abort"
+
+
+def test_a_finished_request_shares_its_prompt_and_its_output():
+    """max_tokens=1 finishes in the step that computes its prompt: its blocks are offered as it is
+    freed, so a later request with the same system prompt finds them."""
+    sched, bm = _scheduler(num_blocks=32, block_size=16, max_tokens=1000)
+    system = list(range(3000, 3040))  # 2 full blocks + 8 tokens
+    first = Sequence(system + [1], SamplingParams(max_tokens=1), seed=0)
+    sched.add(first)
+    _run(sched)
+    second = Sequence(system + [2, 3], SamplingParams(max_tokens=4), seed=0)
+    sched.add(second)
+    batch = _step(sched)
+    assert second.num_cached_tokens == 40 and batch.num_new_tokens == [2]
+    assert len(batch.kv_copies) == 1  # 8 of the 9 tokens of first's free partial block
+    _run(sched)
+    # The next turn: the whole conversation so far (the prompt and the output) but the last token.
+    history = second.token_ids
+    turn2 = Sequence(history + [9, 9, 9], SamplingParams(max_tokens=2), seed=0)
+    sched.add(turn2)
+    batch = _step(sched)
+    assert turn2.num_cached_tokens == len(history) - 1 and batch.num_new_tokens == [4]
+    assert batch.kv_copies == []  # second's last block is free and holds exactly those tokens: taken
+    _run(sched)
+    assert bm.num_free_blocks == bm.num_blocks and all(b.ref_count == 0 for b in bm.blocks)
+
+
+def test_siblings_of_n_copy_the_shared_partial_prompt_block():
+    sched, bm = _scheduler(num_blocks=32, block_size=16, max_tokens=1000)
+    prompt = list(range(500, 520))  # a full block and 4 tokens
+    seqs = [Sequence(prompt, SamplingParams(n=3, max_tokens=3), seed=i, request_id="r", index=i) for i in range(3)]
+    for seq in seqs:
+        sched.add(seq)
+    first = _step(sched)
+    assert first.seqs == [seqs[0]]  # the siblings wait for the leader's prompt
+    second = _step(sched)
+    assert [s.num_cached_tokens for s in seqs[1:]] == [19, 19]
+    assert sorted(second.kv_copies) == sorted((seqs[0].block_table[1], s.block_table[1], 3) for s in seqs[1:])
+    assert [s.block_table[0] for s in seqs] == [seqs[0].block_table[0]] * 3
+    _run(sched)
+    assert bm.num_free_blocks == bm.num_blocks and all(b.ref_count == 0 for b in bm.blocks)
+
+
+def test_prefix_caching_off_reuses_nothing():
+    sched, bm = _scheduler(num_blocks=32, block_size=16, max_tokens=1000, prefix=False)
+    for i in range(2):
+        sched.add(Sequence(list(range(40)), SamplingParams(max_tokens=1), seed=0))
+        _run(sched)
+    assert bm.prefix_hits == 0 and not bm.children and not bm.hash_to_block

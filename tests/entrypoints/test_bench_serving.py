@@ -2,7 +2,9 @@
 import json
 import sys
 
-from openai_server_utils import REPO
+import pytest
+
+from openai_server_utils import REPO, TINY_ARGS, RemoteServer
 
 sys.path.insert(0, REPO)
 import bench_serving  # noqa: E402
@@ -60,3 +62,51 @@ def test_ttft_of_a_stream_merged_into_its_final_chunk():
             return await bench_serving.one_request(client, args, "m", [1, 2, 3], 5)
     result = asyncio.run(run())
     assert result.ok and result.output_tokens == 5 and result.ttft > 0 and result.itl == []
+
+
+@pytest.fixture(scope="module")
+def server_without_tokenizer(model_factory):
+    """Logprob tokens come back as ids: the multi-turn histories hold the model's real answers."""
+    server = RemoteServer([model_factory("qwen3", with_tokenizer=False), *TINY_ARGS])
+    yield server
+    server.stop()
+
+
+MULTI_TURN = ["--multi-turn", "--num-prompts", "3", "--turns", "2:3", "--system-len", "40", "--input-len", "5:20",
+              "--output-len", "3:6", "--concurrency", "2"]
+
+
+def test_multi_turn_histories_are_reused(server_without_tokenizer, tmp_path):
+    out = tmp_path / "multi.json"
+    assert bench_serving.main(["--base-url", server_without_tokenizer.url, *MULTI_TURN, "--json-out", str(out)]) == 0
+    s = json.loads(out.read_text())
+    assert s["successful"] == s["requests"] >= 6 and s["failed"] == 0 and s["answers_echoed"]
+    turns = {(t["conversation"], t["turn"]): t for t in s["turns"]}
+    assert {c for c, _ in turns} == {0, 1, 2}
+    for (c, k), t in turns.items():
+        # The warm-up cached the system prompt; a later turn repeats the previous prompt and its
+        # answer, all of which the server reuses but the answer's last token (never computed).
+        previous = turns.get((c, k - 1))
+        assert t["shared_tokens"] == (40 if k == 0 else previous["prompt_len"] + previous["output_tokens"])
+        assert t["shared_tokens"] - (k > 0) <= t["cached_tokens"] <= t["shared_tokens"]
+    assert s["ideal_hit_rate"] - 0.02 < s["hit_rate"] <= s["ideal_hit_rate"]
+    assert s["ttft_ms"]["p50"] > 0 and s["ttft_ms_later_turns"]["p50"] > 0
+
+
+def test_multi_turn_against_a_server_that_spells_text(tiny_server, tmp_path):
+    """Logprob tokens come back as text: the histories hold synthetic answers, which the ideal
+    does not count, and every prompt's predecessor is reused whole."""
+    out = tmp_path / "multi.json"
+    assert bench_serving.main(["--base-url", tiny_server.url, *MULTI_TURN, "--json-out", str(out)]) == 0
+    s = json.loads(out.read_text())
+    assert s["failed"] == 0 and not s["answers_echoed"]
+    turns = {(t["conversation"], t["turn"]): t for t in s["turns"]}
+    for (c, k), t in turns.items():
+        assert t["shared_tokens"] == (40 if k == 0 else turns[c, k - 1]["prompt_len"])
+        assert t["cached_tokens"] >= t["shared_tokens"]
+
+
+def test_multi_turn_rejects_several_client_processes(capsys):
+    with pytest.raises(SystemExit):
+        bench_serving.main(["--multi-turn", "--processes", "2"])
+    assert "one client process" in capsys.readouterr().err

@@ -43,6 +43,36 @@ def test_prefix_chunked_preempted_overlapped_fp32(model_factory, hf_reference):
     llm.shutdown()
 
 
+def test_partial_block_hits_through_the_graphs_fp32(model_factory, hf_reference):
+    """256-token pages: a next turn's hit ends inside a block, whose leading tokens the Triton
+    kernel copies before the step, ahead of the piecewise graphs (the rest of the prompt) and of the
+    decode graphs (a prompt one token past a cached one is a one-token step: a 'decode')."""
+    llm = LLM(model_factory("qwen3"), dtype="float32", max_model_len=1024, max_num_seqs=64,
+              gpu_memory_utilization=0.3)
+    runner = llm.engine.model_runner
+    assert runner.graph_runner is not None and runner.piecewise is not None
+    copies = []
+    kernel = runner._copy_kernel
+    runner._copy_kernel = lambda kv, c, n: (copies.append(c.shape[1]), kernel(kv, c, n))
+    prompts = make_prompts(8, lengths=(30, 129, 250, 400))
+    answers = greedy(llm, prompts)
+    histories = [p + a for p, a in zip(prompts, answers)]
+    # Longer than the first prompts: the copy's source is the first turn's partial block, which
+    # holds more tokens than are shared (not the block itself: that is taken when it holds exactly them).
+    turn2 = [histories[0][:20] + [7] * 40, histories[1][:100] + [9] * 5, histories[2] + [11, 12, 13]]
+    outs = llm.generate(turn2, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True), use_tqdm=False)
+    assert [o["num_cached_tokens"] for o in outs] == [20, 100, len(histories[2]) - 1]
+    one_more = histories[3][:300] + [5]  # 300 tokens cached: a step of one token, alone
+    alone = llm.generate([one_more], SamplingParams(temperature=0, max_tokens=24, ignore_eos=True), use_tqdm=False)[0]
+    assert alone["num_cached_tokens"] == 300
+    assert len(copies) == 2 and sum(copies) == 3  # one launch per step: 2 copies, then 1
+    for p, out in zip(turn2 + [one_more], outs + [alone]):
+        assert_greedy_match(out["token_ids"], *hf_reference("qwen3").greedy(p, 24), f"prompt of {len(p)}")
+    bm = llm.engine.block_manager
+    assert bm.num_free_blocks == bm.num_blocks
+    llm.shutdown()
+
+
 def test_cuda_graphs_identical_to_eager_fp32(model_factory):
     kwargs = dict(dtype="float32", max_model_len=1024, max_num_seqs=64, gpu_memory_utilization=0.3)
     prompts = make_prompts(4) * 3  # 24 sequences: padded up to a captured batch size
@@ -149,24 +179,20 @@ def test_qwen3_06b_bf16_triton_agrees_with_torch_backend(tmp_path):
     assert_bf16_agreement(a, b, "triton vs torch backend")
 
 
-@pytest.mark.parametrize("schedule", ["split", "balanced"])
-def test_qwen3_06b_bf16_decode_schedules_agree_with_torch_backend(schedule, tmp_path, monkeypatch):
-    """Decode attention through one kernel at every batch size (the engine picks the balanced one for
-    small batches, the split one for large ones), CUDA graphs on."""
+def test_qwen3_06b_bf16_decode_at_every_batch_size_agrees_with_torch_backend(tmp_path):
+    """Decode attention through the split kernel at every batch size of a ragged batch as it drains, CUDA
+    graphs on, against the torch backend."""
     import shutil
 
-    import nanovllm.attention.triton_backend as triton_backend
-    monkeypatch.setattr(triton_backend, "BALANCED_DECODE_MAX_BATCH", 1 << 30 if schedule == "balanced" else 0)
     shutil.copy(QWEN3_06B, tmp_path / "config.json")
     kwargs = dict(load_format="dummy", dtype="bfloat16", max_model_len=2048, max_num_seqs=16,
                   gpu_memory_utilization=0.3)
     prompts = make_prompts(5, lengths=(10, 100, 300, 1000))
     with LLM(str(tmp_path), **kwargs) as fast:
-        assert (fast.engine.model_runner.backend.balanced is not None) == (schedule == "balanced")
         a = greedy(fast, prompts, 8)
     with LLM(str(tmp_path), attention_backend="torch", enforce_eager=True, **kwargs) as ref:
         b = greedy_topk(ref, prompts, 8)
-    assert_bf16_agreement(a, b, f"{schedule} decode vs torch backend")
+    assert_bf16_agreement(a, b, "split decode vs torch backend")
 
 
 def test_kv_cache_sized_from_gpu_memory_utilization(tmp_path):
@@ -210,3 +236,43 @@ def test_qwen3_06b_bf16_triton_projections_agree_with_cublas(tmp_path, monkeypat
     with LLM(str(tmp_path), **kwargs) as ref:
         b = greedy_topk(ref, prompts, 8)
     assert_bf16_agreement(a, b, "our projections vs cuBLAS")
+
+
+def test_structured_outputs_graphs_and_overlap_identical_to_eager_fp32(model_factory):
+    """Constrained rows (masked CUDA graph draw, eager masked paths with top-k and logprobs) beside free
+    ones: the tokens of the eager engine, and of the engine without overlap (the deferred draw
+    waits for the previous step's tokens either way); every constrained output follows its grammar."""
+    import json
+    import re
+
+    from nanovllm import StructuredOutputsParams as C
+    kwargs = dict(dtype="float32", max_model_len=1024, max_num_seqs=64, gpu_memory_utilization=0.3)
+    prompts = make_prompts(6) * 2
+    schema = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 99},
+                                               "ok": {"type": "boolean"}}, "required": ["n", "ok"]}
+    kinds = [C(json=schema, disable_any_whitespace=True), C(choice=["alpha", "beta", "gamma"]), C(regex=r"[a-z]{3}\d")]
+    params = []
+    for i in range(len(prompts)):
+        extra = {"top_k": 20} if i == 7 else {"logprobs": 2} if i == 9 else {}
+        constraint = kinds[i % 3] if i % 4 != 3 else None  # every fourth row free
+        params.append(SamplingParams(temperature=0.0 if i % 5 == 0 else 0.8, seed=i, max_tokens=40,
+                                     structured_outputs=constraint, **extra))
+    runs = []
+    for eager, overlap in ((False, True), (True, True), (False, False)):
+        with LLM(model_factory("llama"), enforce_eager=eager, **kwargs) as llm:
+            llm.engine.overlap = overlap
+            outs = llm.generate(prompts, params, use_tqdm=False)
+            runs.append([o["token_ids"] for o in outs])
+            assert llm.engine.model_runner.mask_fill.steps > 0
+    assert runs[0] == runs[1] == runs[2]
+    for out, sp in zip(outs, params):
+        c = sp.structured_outputs
+        if c is None:
+            continue
+        assert out["finish_reason"] == "stop", out
+        if c.kind == "json":
+            assert set(json.loads(out["text"])) == {"n", "ok"}
+        elif c.kind == "choice":
+            assert out["text"] in ("alpha", "beta", "gamma")
+        else:
+            assert re.fullmatch(r"[a-z]{3}\d", out["text"])

@@ -12,9 +12,8 @@ KERNELS = pathlib.Path(pdl.__file__).parent
 # Pointer arguments a kernel may read before its wait: weights and step inputs copied from the host.
 EARLY_READS = {
     "_decode_split_kernel": {"order_ptr", "seq_lens_ptr", "block_tables_ptr"},
-    "_balanced_decode_kernel": {"seq_lens_ptr", "block_tables_ptr"},
-    "_merge_kernel": {"seq_lens_ptr"},  # paged_decode_balanced.py's
     "_rms_norm_kernel": {"w_ptr"},
+    "_rms_norm_quant_kernel": {"w_ptr"},
     "_qkv_rope_kernel": {"pos_ptr", "cs_ptr", "slot_ptr"},
     "_qk_norm_rope_kernel": {"pos_ptr", "cs_ptr"},
     "_prefill_kernel": {"cu_seqlens_q_ptr", "seq_lens_ptr"},

@@ -50,18 +50,18 @@ def test_text_prompts_match_hf(arch, model_factory, hf_reference):
         assert out["text"] == tok.decode(out["token_ids"], skip_special_tokens=True)
 
 
-@pytest.mark.parametrize("arch", ARCHS)
-def test_prefix_cache_hits_keep_output(arch, model_factory, hf_reference):
-    llm = LLM(model_factory(arch), dtype="float32", kvcache_block_size=16)
-    prompts = _prompts(2, shared_prefix=40)  # 2 full shared blocks + part of a third
+@pytest.mark.parametrize("arch,block_size", [(arch, 16) for arch in ARCHS] + [("qwen3", 256)])
+def test_prefix_cache_hits_keep_output(arch, block_size, model_factory, hf_reference):
+    llm = LLM(model_factory(arch), dtype="float32", kvcache_block_size=block_size)
+    prompts = _prompts(2, shared_prefix=40)  # 16-token blocks: 2 full shared blocks + part of a third
     _check(llm, hf_reference(arch), prompts, f"{arch} first pass")
     bm = llm.engine.block_manager
     hits_before = bm.prefix_hits
     outs = _check(llm, hf_reference(arch), prompts, f"{arch} second pass")
-    # Second pass: every prompt's full blocks (but never its last token) come from the cache.
-    expected = sum((len(p) - 1) // 16 * 16 for p in prompts)
-    assert bm.prefix_hits - hits_before == expected
-    assert [o["num_cached_tokens"] for o in outs] == [(len(p) - 1) // 16 * 16 for p in prompts]
+    # Second pass: every prompt but its last token comes from the cache (the first pass's finished
+    # sequences offered all they computed): full blocks shared, the rest copied from a partial one.
+    assert bm.prefix_hits - hits_before == sum(len(p) - 1 for p in prompts)
+    assert [o["num_cached_tokens"] for o in outs] == [len(p) - 1 for p in prompts]
 
 
 @pytest.mark.parametrize("arch", ["qwen3", "qwen2", "llama"])

@@ -41,6 +41,17 @@ def test_mixed_batch_layout():
     assert torch.equal(fb.input_ids, torch.from_numpy(host.input_ids))
     assert fb.attn.num_decodes == 2 and fb.attn.max_query_len == 20 and fb.attn.max_seq_len == 40
     assert np.array_equal(fb.attn.block_tables.numpy(), host.block_tables)
+    assert host.kv_copies is None  # no prefix hit ending inside a block
+
+
+def test_prefix_copies_travel_with_the_inputs():
+    """A step admitting requests whose prefix hits end inside blocks carries their KV copies as
+    one [3, C] array (sources, destinations, tokens): what every tensor-parallel rank receives."""
+    a = _seq(list(range(30)), 20, [4, 5])
+    b = _seq(list(range(40)), 17, [6, 7, 8])
+    batch = ScheduledBatch([a, b], [10, 23], num_decodes=0, kv_copies=[(9, 5, 4), (2, 7, 1)])
+    host = build_host_inputs(batch, 16)
+    assert host.kv_copies.tolist() == [[9, 2], [5, 7], [4, 1]] and host.kv_copies.flags.c_contiguous
 
 
 def test_graphed_decode_inputs_match_the_general_path():

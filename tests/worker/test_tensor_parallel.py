@@ -18,7 +18,8 @@ from nanovllm import LLM, SamplingParams
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 # Small blocks and a small token budget: the 50-token prompt is prefilled in two chunks, and
-# prompts of 16+ tokens leave full blocks for the prefix cache to hit on the second pass.
+# prompts of 16+ tokens leave full blocks for the prefix cache to hit on the second pass (and
+# every prompt a partial one).
 KW = dict(dtype="float32", max_model_len=256, kvcache_block_size=16, max_num_batched_tokens=32)
 PROMPTS = [[1, 2, 3], list(range(10, 60)), list(range(100, 130)), [7] * 17 + [8, 9]]
 PARAMS = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for m in (12, 8, 16, 5)]
@@ -68,8 +69,15 @@ def test_two_ranks_match_one(model_factory, arch):
         assert executor.num_blocks == llm.config.num_kvcache_blocks
         first, cached = _run(llm)
         assert first == expected and cached == [0, 0, 0, 0]
-        again, cached = _run(llm)  # same prompts: their full blocks now come from the prefix cache
-        assert again == expected and cached == [0, 48, 16, 16]
+        copies = []
+        runner = executor.runner
+        copy = runner.copy_kv_prefixes
+        runner.copy_kv_prefixes = lambda c: copies.append(c.shape[1]) or copy(c)
+        # Same prompts: all but their last token now come from the prefix cache, full blocks
+        # shared and the rest copied on every rank from the first pass's partial blocks (a rank
+        # that skipped its copy would change the output).
+        again, cached = _run(llm)
+        assert again == expected and cached == [len(p) - 1 for p in PROMPTS] and sum(copies) == 4
     assert not any(running(p) for p in pids)
 
 
@@ -171,7 +179,7 @@ def test_exception_in_rank0_stops_the_workers(model_factory):
     pid, = _worker_pids(llm)
     executor = llm.engine.model_runner
 
-    def broken_run(host, seqs):
+    def broken_run(*args, **kwargs):
         raise ValueError("boom on rank 0")
 
     executor.runner.run = broken_run

@@ -31,6 +31,7 @@ from nanovllm.entrypoints.openai.protocol import (APIError, ChatCompletionReques
                                                   ModelList)
 from nanovllm.entrypoints.openai.request_body import parse_request, validation_error
 from nanovllm.entrypoints.openai.serving import OpenAIServing
+from nanovllm.reasoning import REASONING_PARSERS
 
 logger = logging.getLogger("nanovllm.serve")
 
@@ -40,7 +41,8 @@ _CONNECTIONS_HEADROOM = 256  # --limit-concurrency's default: requests that may 
 # serve's engine options and the Config fields they set (only when given).
 _ENGINE_OPTIONS = ("device", "dtype", "max_model_len", "max_num_seqs", "max_num_batched_tokens", "enforce_eager",
                    "kv_cache_memory_bytes", "num_kvcache_blocks", "gpu_memory_utilization", "tensor_parallel_size",
-                   "enable_prefix_caching", "kvcache_block_size", "seed", "attention_backend", "load_format")
+                   "enable_prefix_caching", "kvcache_block_size", "seed", "attention_backend", "load_format",
+                   "reasoning_parser", "kv_cache_dtype", "quantization")
 
 
 def add_serve_arguments(p: argparse.ArgumentParser):
@@ -100,6 +102,11 @@ def add_serve_arguments(p: argparse.ArgumentParser):
     g.add_argument("--attention-backend", default=None, choices=["auto", "torch", "triton"])
     g.add_argument("--load-format", default=None, choices=["auto", "safetensors", "dummy"])
     g.add_argument("--seed", type=int, default=None, help="seed of requests that give none")
+    g.add_argument("--reasoning-parser", default=None, choices=sorted(REASONING_PARSERS),
+                   help="split a reasoning model's <think> block into reasoning_content; constraints apply after it")
+    g.add_argument("--kv-cache-dtype", default=None, help="auto (the model dtype) or fp8 (float8_e4m3fn)")
+    g.add_argument("--quantization", default=None, choices=["fp8"],
+                   help="block-FP8 weights for a checkpoint without them (FP8 checkpoints need no flag)")
 
 
 # ---- the app --------------------------------------------------------------------------------

@@ -70,17 +70,37 @@ class SamplingRequest(OpenAIModel):
     logit_bias: dict[str, float] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
+    # Structured outputs (structured_requests.py): OpenAI's, and vLLM's two spellings.
+    response_format: dict[str, Any] | None = None
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: str | dict[str, Any] | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    guided_decoding_backend: str | None = None
+    # vLLM fields that would change the output and that this server does not implement: a 400 when
+    # set to anything but their no-op value (structured_requests.check_not_implemented), never ignored.
+    guided_whitespace_pattern: Any = None
+    use_beam_search: Any = None
+    length_penalty: Any = None
+    allowed_token_ids: Any = None
+    bad_words: Any = None
+    logits_processors: Any = None
+    prompt_logprobs: Any = None
+    truncate_prompt_tokens: Any = None
+    return_tokens_as_token_ids: Any = None
+    spaces_between_special_tokens: Any = None
+    vllm_xargs: Any = None
 
     def check_common(self):
-        if self.logit_bias:
-            raise APIError("logit_bias is not supported", param="logit_bias")
         if self.stream_options is not None and not self.stream:
             raise APIError("stream_options is only allowed when stream is true", param="stream_options")
 
-    def sampling_params(self, max_tokens: int, logprobs: int | None) -> SamplingParams:
+    def sampling_params(self, max_tokens: int, logprobs: int | None, **extra) -> SamplingParams:
+        """extra: SamplingParams fields the endpoint derives (logit_bias, structured_outputs)."""
         kwargs = {name: getattr(self, name) for name in _PASSTHROUGH if getattr(self, name) is not None}
         try:
-            return SamplingParams(max_tokens=max_tokens, logprobs=logprobs, **kwargs)
+            return SamplingParams(max_tokens=max_tokens, logprobs=logprobs, **kwargs, **extra)
         except (ValueError, TypeError) as e:
             message = str(e)
             field = message.split(" ", 1)[0]
@@ -95,6 +115,8 @@ class CompletionRequest(SamplingRequest):
     echo: bool = False
     suffix: str | None = None
     best_of: int | None = None
+    add_special_tokens: bool = True  # vLLM's: the tokenizer's special tokens around a text prompt
+    prompt_embeds: Any = None        # not implemented: a 400 when set
 
 
 class ChatMessage(OpenAIModel):
@@ -103,14 +125,50 @@ class ChatMessage(OpenAIModel):
     content: str | list[dict[str, Any]] | None = None
 
 
+class FunctionDefinition(OpenAIModel):
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema; omitted: no parameters
+    strict: bool | None = None
+
+
+class ChatTool(OpenAIModel):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(OpenAIModel):
+    name: str
+
+
+class NamedToolChoice(OpenAIModel):
+    type: Literal["function"]
+    function: NamedFunction
+
+
 class ChatCompletionRequest(SamplingRequest):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
-    tools: list[dict[str, Any]] | None = None
-    response_format: dict[str, Any] | None = None
+    tools: list[ChatTool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
     add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    add_special_tokens: bool = False  # vLLM's: the template already holds the special tokens
+    chat_template: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    documents: list[dict[str, Any]] | None = None
+    # OpenAI fields that would change the output and that this server does not implement (400 when set).
+    functions: Any = None
+    function_call: Any = None
+    audio: Any = None
+    modalities: Any = None
+    reasoning_effort: Any = None
+    verbosity: Any = None
+    web_search_options: Any = None
+    mm_processor_kwargs: Any = None
 
 
 # ---- responses ------------------------------------------------------------------------------
@@ -163,9 +221,22 @@ class ChatLogprobs(OpenAIModel):
     content: list[TokenLogprob] | None = None
 
 
+class FunctionCall(OpenAIModel):
+    name: str
+    arguments: str  # JSON text
+
+
+class ToolCall(OpenAIModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatResponseMessage(OpenAIModel):
     role: str = "assistant"
     content: str | None = None
+    reasoning_content: str | None = None  # with a reasoning parser (nanovllm.reasoning)
+    tool_calls: list[ToolCall] | None = None
 
 
 class ChatChoice(OpenAIModel):
@@ -188,6 +259,8 @@ class ChatCompletionResponse(OpenAIModel):
 class DeltaMessage(OpenAIModel):
     role: str | None = None
     content: str | None = None
+    reasoning_content: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None  # {"index", then "id", "type", "function": {...}} pieces
 
 
 class ChatStreamChoice(OpenAIModel):

@@ -14,13 +14,18 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from nanovllm.engine.async_engine import AsyncLLMEngine, RequestHandle
 from nanovllm.engine.request_output import CompletionOutput, RequestOutput, RequestRejected
+from nanovllm.entrypoints.openai.chat_output import ChatOutputStream
+from nanovllm.entrypoints.openai.chat_prompt import chat_prompt_text
 from nanovllm.entrypoints.openai.protocol import (
     APIError, ChatChoice, ChatCompletionChunk, ChatCompletionRequest, ChatCompletionResponse, ChatLogprobs,
     ChatResponseMessage, ChatStreamChoice, CompletionChoice, CompletionChunk, CompletionLogprobs,
-    CompletionRequest, CompletionResponse, DeltaMessage, PromptTokensDetails, SamplingRequest, TokenLogprob,
-    TopLogprob, Usage, random_id)
+    CompletionRequest, CompletionResponse, DeltaMessage, FunctionCall, PromptTokensDetails, SamplingRequest,
+    TokenLogprob, ToolCall, TopLogprob, Usage, random_id)
+from nanovllm.entrypoints.openai.structured_requests import check_not_implemented, logit_bias, structured_outputs
 from nanovllm.entrypoints.openai.tokenize_pool import TokenizePool
-from nanovllm.sampling_params import MAX_LOGPROBS
+from nanovllm.entrypoints.openai.tool_parsers import ToolSet
+from nanovllm.reasoning import reasoning_parser
+from nanovllm.sampling_params import MAX_LOGPROBS, SamplingParams
 
 _MAX_N = 128            # completions per prompt: beyond this a request is more likely a mistake than a need
 _MIN_LOGPROB = -9999.0  # JSON has no -inf
@@ -37,6 +42,8 @@ class OpenAIServing:
         self.model_names = model_names
         self.max_model_len = engine.config.max_model_len
         self.tokenize_pool = TokenizePool(tokenizer, self.max_model_len)
+        name = getattr(engine.config, "reasoning_parser", None)
+        self.reasoning = reasoning_parser(name, tokenizer) if name else None  # splits reasoning_content out
         self._token_text = functools.lru_cache(maxsize=1 << 16)(self._decode_token)
 
     # ---- entry points ---------------------------------------------------------------------
@@ -49,9 +56,10 @@ class OpenAIServing:
         if req.best_of is not None and req.best_of != req.n:
             raise APIError("best_of is not supported (other than best_of == n)", param="best_of")
         self._check_capacity(_num_prompts(req.prompt))  # before tokenizing what could not be queued anyway
-        prompts = await self.tokenize_pool.run(self._completion_prompts, req.prompt)
-        params = [self._params(req, ids, req.max_tokens if req.max_tokens is not None else 16, req.logprobs, "prompt")
-                  for ids in prompts]
+        constraint, _ = structured_outputs(req)
+        prompts = await self.tokenize_pool.run(self._completion_prompts, req.prompt, req.add_special_tokens)
+        params = [self._params(req, ids, req.max_tokens if req.max_tokens is not None else 16, req.logprobs, "prompt",
+                               structured_outputs=constraint) for ids in prompts]
         handles, out_queue = await self._submit(prompts, params, req.stream, "prompt")
         job = _Job(random_id("cmpl"), self._model_name(req), req.n, handles, prompts)
         finals = await _stream_or_collect(req, job, handles, out_queue, raw, self._completion_chunks)
@@ -68,31 +76,33 @@ class OpenAIServing:
 
     async def chat(self, req: ChatCompletionRequest, raw: Request) -> Response:
         self._check_common(req)
-        if req.tools:
-            raise APIError("tools are not supported", param="tools")
-        if req.response_format and req.response_format.get("type", "text") != "text":
-            raise APIError("only response_format {'type': 'text'} is supported", param="response_format")
         if req.top_logprobs is not None and not req.logprobs:
             raise APIError("top_logprobs requires logprobs to be true", param="top_logprobs")
         if req.top_logprobs is not None and not 0 <= req.top_logprobs <= MAX_LOGPROBS:
             raise APIError(f"top_logprobs must be an integer in [0, {MAX_LOGPROBS}], got {req.top_logprobs}",
                            param="top_logprobs")
+        tools = ToolSet.from_request(req)
+        constraint, source = structured_outputs(req)
+        tool_constraint = tools.constraint() if tools is not None else None
+        if tool_constraint is not None and constraint is not None:
+            raise APIError(f"{source} cannot be combined with tool_choice {req.tool_choice!r}, which constrains "
+                           "the output to tool calls", param=source)
         self._check_capacity(1)
-        ids = await self.tokenize_pool.run(self._chat_prompt, req)
+        ids = await self.tokenize_pool.run(self._chat_prompt, req, tools)
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         if max_tokens is None:
             max_tokens = max(1, self.max_model_len - len(ids))  # as OpenAI: up to the context's end
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
-        params = [self._params(req, ids, max_tokens, logprobs, "messages")]
+        params = [self._params(req, ids, max_tokens, logprobs, "messages",
+                               structured_outputs=tool_constraint or constraint)]
         handles, out_queue = await self._submit([ids], params, req.stream, "messages")
         job = _Job(random_id("chatcmpl"), self._model_name(req), req.n, handles, [ids])
+        job.output_stream = lambda: ChatOutputStream(self.reasoning, ids, tools)
+        job.tools = tools
         finals = await _stream_or_collect(req, job, handles, out_queue, raw, self._chat_chunks)
         if isinstance(finals, Response):
             return finals
-        choices = [ChatChoice(index=output.index, message=ChatResponseMessage(content=output.text),
-                              logprobs=self._chat_logprobs(output.logprobs), finish_reason=output.finish_reason,
-                              stop_reason=output.stop_reason)
-                   for output, _ in job.completions(finals)]
+        choices = [self._chat_choice(job, output) for output, _ in job.completions(finals)]
         body = ChatCompletionResponse(id=job.id, model=job.model, choices=choices, usage=job.usage(finals))
         return JSONResponse(body.model_dump(mode="json"))
 
@@ -108,10 +118,11 @@ class OpenAIServing:
     def _check_common(self, req: SamplingRequest):
         self.check_model(req.model)
         req.check_common()
+        check_not_implemented(req)
         if isinstance(req.n, int) and req.n > _MAX_N:
             raise APIError(f"n must be at most {_MAX_N}, got {req.n}", param="n")
 
-    def _completion_prompts(self, prompt) -> list[list[int]]:
+    def _completion_prompts(self, prompt, add_special_tokens: bool = True) -> list[list[int]]:
         if isinstance(prompt, str):
             prompt = [prompt]
         elif not prompt:
@@ -126,35 +137,26 @@ class OpenAIServing:
                 if self.tokenizer is None:
                     raise APIError("this model has no tokenizer: send prompts as token ids", param="prompt")
                 self.tokenize_pool.check_length(len(p), "prompt")
-                p = self.tokenizer.encode(p)
+                p = self.tokenizer.encode(p, add_special_tokens=add_special_tokens)
             if len(p) >= self.max_model_len:  # as the engine would say, without shipping it there
                 raise APIError(f"prompt has {len(p)} tokens but max_model_len is {self.max_model_len}; the prompt "
                                "must leave room for at least one generated token", param="prompt")
             token_ids.append(list(p))
         return token_ids
 
-    def _chat_prompt(self, req: ChatCompletionRequest) -> list[int]:
-        if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
+    def _chat_prompt(self, req: ChatCompletionRequest, tools: ToolSet | None) -> list[int]:
+        if self.tokenizer is None or not (getattr(self.tokenizer, "chat_template", None) or req.chat_template):
             raise APIError("this model has no chat template: use /v1/completions", param="messages")
-        messages = []
-        for i, m in enumerate(req.messages):
-            content = m.content
-            if isinstance(content, list):
-                if any(part.get("type") != "text" or not isinstance(part.get("text"), str) for part in content):
-                    raise APIError(f"messages[{i}].content: only text parts are supported", param="messages")
-                content = "\n".join(part["text"] for part in content)
-            messages.append({**(m.model_extra or {}), "role": m.role, "content": content or ""})
-        self.tokenize_pool.check_length(sum(len(m["content"]) for m in messages), "messages")
-        try:
-            text = self.tokenizer.apply_chat_template(messages, tokenize=False,
-                                                      add_generation_prompt=req.add_generation_prompt)
-        except Exception as e:  # jinja's TemplateError, raise_exception() in the template...
-            raise APIError(f"the chat template rejected the messages: {e}", param="messages") from None
-        # The template already holds any special tokens: don't add them again.
-        return self.tokenizer.encode(text, add_special_tokens=False)
+        text = chat_prompt_text(self.tokenizer, req, tools, self.tokenize_pool.check_length)
+        # The template already holds any special tokens: don't add them again (unless asked to).
+        return self.tokenizer.encode(text, add_special_tokens=req.add_special_tokens)
 
-    def _params(self, req: SamplingRequest, ids: list[int], max_tokens: int, logprobs, prompt_field: str):
-        params = req.sampling_params(max_tokens, logprobs)
+    def _params(self, req: SamplingRequest, ids: list[int], max_tokens: int, logprobs, prompt_field: str,
+                structured_outputs=None):
+        extra = {"structured_outputs": structured_outputs}
+        if req.logit_bias:
+            extra["logit_bias"] = logit_bias(req.logit_bias)
+        params = req.sampling_params(max_tokens, logprobs, **extra)
         # A prompt that is too long on its own is the engine's to report; here, prompt + completion.
         if len(ids) < self.max_model_len < len(ids) + params.max_tokens:
             raise APIError(f"This model's maximum context length is {self.max_model_len} tokens. However, you "
@@ -185,7 +187,11 @@ class OpenAIServing:
             _abort(handles)
             e = errors[0]
             status = getattr(e, "status", 500)
-            raise APIError(str(e), status, param=prompt_field if status == 400 else None)
+            # The engine's 400s name what they reject first: a sampling field (logit_bias ids past the
+            # vocabulary, a grammar that does not compile), or else the prompt.
+            field = str(e).split(" ", 1)[0].split(".", 1)[0]
+            param = field if field in SamplingParams.__dataclass_fields__ else prompt_field
+            raise APIError(str(e), status, param=param if status == 400 else None)
         return handles, out_queue
 
     # ---- responses ------------------------------------------------------------------------
@@ -221,13 +227,32 @@ class OpenAIServing:
 
         yield chunk([ChatStreamChoice(index=i, delta=DeltaMessage(role="assistant", content=""))
                      for i in range(job.n)])
+        parsers: dict[int, ChatOutputStream] = {}
         async for _, output, index in job.stream(out_queue):
-            if output.text or output.finish_reason or output.logprobs:
-                yield chunk([ChatStreamChoice(index=index, delta=DeltaMessage(content=output.text or None),
-                                              logprobs=self._chat_logprobs(output.logprobs),
-                                              finish_reason=output.finish_reason, stop_reason=output.stop_reason)])
+            parser = parsers.get(index) or parsers.setdefault(index, job.output_stream())
+            parts = parser.feed(output.text)
+            finish_reason = output.finish_reason
+            if finish_reason is not None:  # the output is complete: what the parser held back goes out
+                parts = _joined(parts, parser.finish())
+                if job.tools is not None:
+                    finish_reason = job.tools.finish_reason(finish_reason, bool(parser.tool_calls))
+            if parts.content or parts.reasoning or parts.tool_calls or finish_reason or output.logprobs:
+                delta = DeltaMessage(content=parts.content or None, reasoning_content=parts.reasoning or None,
+                                     tool_calls=parts.tool_calls or None)
+                yield chunk([ChatStreamChoice(index=index, delta=delta, logprobs=self._chat_logprobs(output.logprobs),
+                                              finish_reason=finish_reason, stop_reason=output.stop_reason)])
         if include_usage:
             yield chunk([], job.usage(job.last))
+
+    def _chat_choice(self, job: "_Job", output) -> ChatChoice:
+        parser = job.output_stream()
+        parts = parser.whole(output.text)
+        calls = [ToolCall(id=c.id, function=FunctionCall(name=c.name, arguments=c.arguments)) for c in parser.tool_calls]
+        finish_reason = job.tools.finish_reason(output.finish_reason, bool(calls)) if job.tools else output.finish_reason
+        message = ChatResponseMessage(content=parts.content or (None if calls else ""),
+                                      reasoning_content=parts.reasoning or None, tool_calls=calls or None)
+        return ChatChoice(index=output.index, message=message, logprobs=self._chat_logprobs(output.logprobs),
+                          finish_reason=finish_reason, stop_reason=output.stop_reason)
 
     def _decode_token(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id]) if self.tokenizer is not None else str(token_id)
@@ -258,12 +283,21 @@ class OpenAIServing:
         return out
 
 
+def _joined(a, b):
+    a.reasoning += b.reasoning
+    a.content += b.content
+    a.tool_calls += b.tool_calls
+    return a
+
+
 class _Job:
     """One HTTP request's engine requests: choice numbering (prompt i's completions are choices
     i*n ... i*n+n-1, as vLLM numbers them) and usage."""
 
     def __init__(self, id_: str, model: str, n: int, handles: list[RequestHandle], prompts: list[list[int]]):
         self.id, self.model, self.n = id_, model, n
+        self.output_stream = None  # chat: () -> ChatOutputStream, one per choice
+        self.tools = None          # chat: the request's ToolSet
         self.base = {h.request_id: i * n for i, h in enumerate(handles)}
         self.num_prompt_tokens = sum(len(p) for p in prompts)
         self.last: dict = {}  # request_id -> its latest RequestOutput

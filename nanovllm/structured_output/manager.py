@@ -1,0 +1,186 @@
+"""The engine's side of structured outputs: one object, `StructuredOutputs`, that the loop calls the
+same way whether or not any request is constrained (each call returns at once when none is).
+
+- `check(params)`: compile the request's constraint (cached), raising ValueError before it is queued.
+- `attach(seqs)` / `release(seq)`: a grammar matcher per sequence (n > 1: one each), for its life.
+- `needs_masks(seqs)`: whether a step's sampling must wait for masks (see `LLMEngine.step`).
+- `advance(seqs, tokens)`: feed each sequence the token the step drew (xgrammar's batched accept).
+- `fill_masks(seqs, rows, masks)`: the next token's bitmasks, only for the rows that need one, into
+  the runner's pinned buffer (xgrammar's batched, multi-threaded fill); rows[i] says which mask row i
+  uses, -1 for none.
+
+With a reasoning parser, a sequence's grammar waits until the thinking is over (`Phase`): rows that
+are still thinking get no mask, and the first token of an output that may or may not think is drawn
+from the grammar's tokens plus the opening tag. A grammar that has accepted a stop token allows only
+stop tokens (seen with ignore_eos or under min_tokens: the grammar wins); under min_tokens the stop
+tokens are taken out of a row's mask unless nothing else is left.
+"""
+from enum import IntEnum
+
+import numpy as np
+
+from nanovllm.logger import init_logger
+from nanovllm.reasoning import PromptState, reasoning_parser
+
+logger = init_logger(__name__)
+
+
+class Phase(IntEnum):
+    REASONING = 0   # thinking: no mask until the closing tag
+    UNDECIDED = 1   # first token: the grammar's, or the opening tag (then REASONING)
+    ACTIVE = 2      # every token follows the grammar
+    TERMINATED = 3  # the grammar accepted a stop token: only stop tokens from here on
+
+
+class GrammarState:
+    __slots__ = ("matcher", "phase")
+
+    def __init__(self, matcher, phase: Phase):
+        self.matcher = matcher
+        self.phase = phase
+
+    @property
+    def bans_stop_tokens(self) -> bool:
+        """Whether the mask, not the sampler's min_tokens bans, keeps stop tokens out (see module)."""
+        return self.phase != Phase.REASONING
+
+
+def _bits(ids, words: int) -> np.ndarray:
+    """[words] uint32 with the bits of ids set."""
+    row = np.zeros(words, dtype=np.uint32)
+    for i in ids:
+        row[i >> 5] |= np.uint32(1 << (i & 31))
+    return row
+
+
+class StructuredOutputs:
+    def __init__(self, tokenizer, vocab_size: int, eos_token_ids, reasoning_parser_name: str | None = None):
+        self.tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self.words = -(-vocab_size // 32)
+        self.stop_token_ids = sorted(t for t in eos_token_ids if 0 <= t < vocab_size)
+        # Validated now, so that a server started with a parser its model cannot use fails at start-up.
+        self.reasoning = reasoning_parser(reasoning_parser_name, tokenizer) if reasoning_parser_name else None
+        self.num_live = 0  # sequences holding a grammar: none, and every call returns at once
+        self._compiler = None
+        self._batch = None
+        self._stop_row = _bits(self.stop_token_ids, self.words)
+
+    @property
+    def compiler(self):
+        if self._compiler is None:
+            if self.tokenizer is None:
+                raise ValueError("structured outputs need the model's tokenizer, and this model has none")
+            from nanovllm.structured_output.compiler import GrammarCompiler
+            self._compiler = GrammarCompiler(self.tokenizer, self.vocab_size, self.stop_token_ids)
+        return self._compiler
+
+    # ---- requests ---------------------------------------------------------------------------
+    def check(self, params) -> None:
+        """Compile params.structured_outputs (if any) now: a ValueError names what is wrong."""
+        if params.structured_outputs is not None:
+            self.compiler.compile(params.structured_outputs)
+
+    def attach(self, seqs) -> None:
+        params = seqs[0].sampling_params.structured_outputs
+        if params is None:
+            return
+        import xgrammar as xgr
+        compiled = self.compiler.compile(params)
+        phase = Phase.ACTIVE
+        if self.reasoning is not None:
+            state = self.reasoning.prompt_state(seqs[0].prompt_token_ids)
+            phase = {PromptState.INSIDE: Phase.REASONING, PromptState.OPEN: Phase.UNDECIDED}.get(state, Phase.ACTIVE)
+        for seq in seqs:
+            seq.grammar = GrammarState(xgr.GrammarMatcher(compiled, override_stop_tokens=self.stop_token_ids), phase)
+        self.num_live += len(seqs)
+
+    def release(self, seq) -> None:
+        if seq.grammar is not None:
+            seq.grammar = None
+            self.num_live -= 1
+
+    # ---- steps ------------------------------------------------------------------------------
+    def needs_masks(self, seqs) -> bool:
+        if not self.num_live:
+            return False
+        return any(seq.grammar is not None for seq in seqs)
+
+    def advance(self, seqs, tokens) -> list:
+        """Feed each live grammar its sequence's new token; returns the sequences whose grammar
+        rejected it (never, as long as the masks were applied: the engine ends them)."""
+        if not self.num_live:
+            return []
+        matchers, accepted_tokens, states, owners = [], [], [], []
+        reasoning = self.reasoning
+        for seq, token in zip(seqs, tokens):
+            g = seq.grammar
+            if g is None or seq.is_finished:
+                continue
+            if g.phase == Phase.REASONING:
+                if token == reasoning.end_token_id:
+                    g.phase = Phase.ACTIVE
+                continue
+            if g.phase == Phase.UNDECIDED:
+                if token == reasoning.start_token_id:
+                    g.phase = Phase.REASONING
+                    continue
+                g.phase = Phase.ACTIVE
+            if g.phase == Phase.ACTIVE:
+                matchers.append(g.matcher)
+                accepted_tokens.append(token)
+                states.append(g)
+                owners.append(seq)
+        if not matchers:
+            return []
+        import xgrammar as xgr
+        results = xgr.BatchGrammarMatcher.batch_accept_token(matchers, accepted_tokens)
+        rejected = []
+        stops = self.stop_token_ids
+        for ok, g, token, seq in zip(results, states, accepted_tokens, owners):
+            if not ok:
+                logger.error("sequence %s: its grammar rejected token %d; ending it", seq.seq_id, token)
+                rejected.append(seq)
+            elif token in stops and g.matcher.is_terminated():
+                g.phase = Phase.TERMINATED
+        return rejected
+
+    def fill_masks(self, seqs, rows: np.ndarray, masks) -> int:
+        """Bitmasks for the token each of seqs draws next: masks[k] (a [max_rows, words] int32 CPU
+        tensor, pinned on a GPU) for the k-th row that needs one, rows[i] = k or -1. Returns how
+        many masks were filled."""
+        rows[:len(seqs)] = -1
+        if not self.num_live:
+            return 0
+        bits = masks.numpy().view(np.uint32)
+        num, fill_matchers, fill_rows, adjust = 0, [], [], []
+        for i, seq in enumerate(seqs):
+            g = seq.grammar
+            if g is None or g.phase == Phase.REASONING or seq.is_finished:
+                continue
+            rows[i] = num
+            if g.phase == Phase.TERMINATED:
+                bits[num] = self._stop_row
+            else:
+                fill_matchers.append(g.matcher)
+                fill_rows.append(num)
+            sp = seq.sampling_params
+            if g.phase == Phase.UNDECIDED or seq.num_completion_tokens - seq.num_pending_tokens < sp.min_tokens:
+                adjust.append((num, g, seq))
+            num += 1
+        if fill_matchers:
+            if self._batch is None:
+                import xgrammar as xgr
+                self._batch = xgr.BatchGrammarMatcher()
+            self._batch.batch_fill_next_token_bitmask(fill_matchers, masks, fill_rows)
+        for k, g, seq in adjust:
+            row = bits[k]
+            if g.phase == Phase.UNDECIDED:
+                start = self.reasoning.start_token_id
+                row[start >> 5] |= np.uint32(1 << (start & 31))
+            if seq.num_completion_tokens - seq.num_pending_tokens < seq.sampling_params.min_tokens:
+                stops = self._stop_row | _bits(seq.sampling_params.stop_token_ids, self.words)
+                kept = row & ~stops
+                if kept.any():
+                    row[:] = kept
+        return num
