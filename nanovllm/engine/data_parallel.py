@@ -28,8 +28,10 @@ from nanovllm.sampling_params import SamplingParams
 logger = logging.getLogger("nanovllm.data_parallel")
 
 
-def check_data_parallel(config: Config, size: int):
-    """Raise ValueError if `size` cores cannot be placed with this config (before any starts)."""
+def check_data_parallel(config: Config, size: int, uses_cpu_cores: bool = True):
+    """Raise ValueError if `size` cores cannot be placed with this config (before any starts).
+    uses_cpu_cores=False: the cores compute nothing on the host's CPU (a stand-in device), so the
+    host's core count does not bound them."""
     if isinstance(size, bool) or not isinstance(size, int) or size < 1:
         raise ValueError(f"data_parallel_size must be an integer >= 1, got {size!r}")
     if size == 1:
@@ -46,7 +48,7 @@ def check_data_parallel(config: Config, size: int):
             raise ValueError("on the CPU, data_parallel_size > 1 and tensor_parallel_size > 1 cannot be combined "
                              "(both split the host's cores): use one of them")
         cores = os.cpu_count() or 1
-        if size > cores:
+        if size > cores and uses_cpu_cores:
             raise ValueError(f"data_parallel_size={size} exceeds the {cores} CPU cores of this machine")
 
 
@@ -62,11 +64,12 @@ def core_config(config: Config, index: int, size: int) -> Config:
 class DataParallelEngine:
     def __init__(self, config: Config, size: int = 1, max_waiting: int = 1024, listeners=None, engine_factory=None,
                  kv_events_endpoint: str | None = None, kv_events_topic: str = "", kv_events_format: str = "array",
-                 separate_process: bool = True):
+                 separate_process: bool = True, uses_cpu_cores: bool = True):
         """listeners: one metrics listener per core (AsyncLLMEngine's `listener`), or None.
         max_waiting is per core: each queues up to max_waiting requests. engine_factory and
-        separate_process: as AsyncLLMEngine's (threads: for tests)."""
-        check_data_parallel(config, size)
+        separate_process: as AsyncLLMEngine's (threads: for tests). uses_cpu_cores: as
+        check_data_parallel's (False for scripts/bench_frontend.py's stand-in device)."""
+        check_data_parallel(config, size, uses_cpu_cores)
         self.config = config
         self.size = size
         self.max_waiting = max_waiting
