@@ -7,6 +7,8 @@
     python bench.py --structured json     # also every request under one JSON schema (benchmarks/structured.py)
     python bench.py --config benchmarks/configs/qwen3-8b.json --quantization fp8   # a Qwen3-8B-FP8 user's case
     python bench.py --kv-cache-dtype fp8  # the KV cache in float8_e4m3fn
+    python bench.py --config benchmarks/configs/qwen3-30b-a3b.json   # a mixture of experts: the roofline
+                                          # reads the weights of the experts each step routed to
 
 Workload (nano-vllm's bench.py): random.seed(0); 256 prompts of randint(100, 1024) random token
 ids in [0, 10000], then max_tokens randint(100, 1024) each; temperature 0.6, ignore_eos. One
@@ -15,7 +17,6 @@ warm-up generate, then throughput = output tokens / wall time of one generate ca
 import argparse
 import gc
 import json
-import math
 import os
 import random
 import shutil
@@ -27,6 +28,7 @@ from operator import add
 import torch
 
 from benchmarks.diagnostics import ClockTrace, GcPauses, log_triton_compiles, print_segment_allocs, profile_run
+from benchmarks.roofline import RoutingRecord, architecture_costs, roofline
 from nanovllm import LLM, SamplingParams
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -112,47 +114,6 @@ class ScheduleRecorder:
         return out
 
 
-def roofline(cfg, steps, bandwidth: float, flops: float, dtype_bytes: int = 2, fp8_weights: bool = False,
-             kv_dtype_bytes: int | None = None, fp8_flops: float | None = None) -> dict:
-    """Ideal time of the recorded schedule: bytes every step must move over the measured bandwidth,
-    plus prefill FLOPs over the measured matmul rate. fp8_weights: the projections' weights are block
-    FP8 (one byte each plus an fp32 scale per 128x128 block; their FLOPs at fp8_flops when given);
-    kv_dtype_bytes: the KV cache's bytes per value (default: dtype_bytes)."""
-    h, layers, vocab = cfg["hidden_size"], cfg["num_hidden_layers"], cfg["vocab_size"]
-    heads, kv_heads = cfg["num_attention_heads"], cfg.get("num_key_value_heads", cfg["num_attention_heads"])
-    d = cfg.get("head_dim") or h // heads
-    inter = cfg["intermediate_size"]
-    projections = [((heads + 2 * kv_heads) * d, h), (h, heads * d), (2 * inter, h), (h, inter)]  # [N, K] each
-    layer_params = sum(n * k for n, k in projections)
-    if fp8_weights:
-        scales = sum(-(-n // 128) * -(-k // 128) for n, k in projections)
-        linear_bytes = layers * (layer_params + 4 * scales)
-    else:
-        linear_bytes = layers * layer_params * dtype_bytes
-    weight_bytes = linear_bytes + vocab * h * dtype_bytes  # every layer + the LM head
-    kv_token_bytes = 2 * layers * kv_heads * d * (kv_dtype_bytes or dtype_bytes)
-    linear_rate = fp8_flops if fp8_weights and fp8_flops and not math.isnan(fp8_flops) else flops
-    decode_bytes = prefill_flops = prefill_time = 0.0
-    step_ideal = []
-    for num_decodes, new, ctx, computed in steps:
-        # Memory: weights once per step, plus the KV every decode row reads.
-        step_bytes = weight_bytes + kv_token_bytes * sum(ctx[:num_decodes])
-        linear_flops = attention_flops = 0.0
-        for n, start in zip(new[num_decodes:], computed[num_decodes:]):
-            linear_flops += 2 * layer_params * layers * n
-            # causal attention: QK^T and PV over each new token's context
-            attention_flops += 4 * layers * heads * d * (n * start + n * (n + 1) / 2)
-        decode_bytes += step_bytes
-        prefill_flops += linear_flops + attention_flops
-        step_compute = linear_flops / linear_rate + attention_flops / flops
-        prefill_time += step_compute
-        step_ideal.append(step_bytes / bandwidth + step_compute)
-    t_mem = decode_bytes / bandwidth
-    return {"weight_bytes_per_step": weight_bytes, "kv_bytes_per_token": kv_token_bytes,
-            "bytes_moved": decode_bytes, "prefill_flops": prefill_flops,
-            "ideal_time_s": t_mem + prefill_time, "steps": len(steps), "step_ideal_s": step_ideal}
-
-
 def step_walls(times: list[float], end: float) -> list[float]:
     """Each step's wall time: the gap between its scheduling and the next step's (or the run's end)."""
     return [b - a for a, b in zip(times, times[1:] + [end])]
@@ -163,8 +124,9 @@ def prefill_walls(steps, walls) -> list[float]:
     return [w for (num_decodes, new, _, _), w in zip(steps, walls) if len(new) > num_decodes]
 
 
-def step_breakdown(steps, times, end: float, step_ideal) -> list[dict]:
-    """Wall time against ideal time, by kind of step: where the run loses to the roofline."""
+def step_breakdown(steps, times, end: float, step_ideal, experts_per_layer: list[float] | None = None) -> list[dict]:
+    """Wall time against ideal time, by kind of step: where the run loses to the roofline (and, for a
+    mixture of experts, the mean number of experts a layer routed to in those steps)."""
     bins = [("prefill/mixed", lambda nd, n: n > nd), ("decode 1-15", lambda nd, n: n == nd < 16),
             ("decode 16-63", lambda nd, n: n == nd and 16 <= nd < 64),
             ("decode 64-127", lambda nd, n: n == nd and 64 <= nd < 128),
@@ -176,6 +138,8 @@ def step_breakdown(steps, times, end: float, step_ideal) -> list[dict]:
         wall, ideal = sum(walls[i] for i in idx), sum(step_ideal[i] for i in idx)
         rows.append({"steps": name, "count": len(idx), "wall_s": wall, "ideal_s": ideal,
                      "wall_ms_per_step": 1e3 * wall / max(len(idx), 1), "ideal_ms_per_step": 1e3 * ideal / max(len(idx), 1)})
+        if experts_per_layer is not None:
+            rows[-1]["experts_per_layer"] = sum(experts_per_layer[i] for i in idx) / max(len(idx), 1)
     return rows
 
 
@@ -242,6 +206,9 @@ def main():
     args = ap.parse_args()
 
     path, cfg, load_format = model_dir(args)
+    moe = architecture_costs(cfg)["sparse_layers"] > 0
+    if moe:  # the MoE layers count the experts they route to (device-side), for the roofline
+        os.environ["NANOVLLM_RECORD_ROUTING"] = "1"
     # Before the engine exists: the measurement's buffers are freed and its cache emptied, which would
     # otherwise also drop the activation memory the engine keeps in the allocator.
     want = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
@@ -275,6 +242,9 @@ def main():
     if args.log_compiles:
         log_triton_compiles()
     recorder = ScheduleRecorder(llm.engine.scheduler)
+    routing = RoutingRecord(llm) if moe else None
+    if routing is not None:
+        routing.start()  # reads the device: before the clock starts
     if device.type == "cuda":
         torch.cuda.synchronize()
         before = torch.cuda.memory_stats()
@@ -285,6 +255,8 @@ def main():
     start, start_unix = time.perf_counter(), time.time()
     outputs = llm.generate(prompts, params, use_tqdm=False)
     elapsed = time.perf_counter() - start
+    if routing is not None:
+        routing.stop()
     if clocks is not None:
         clocks.stop()
     gc.callbacks.remove(gc_pauses.callback)
@@ -323,7 +295,13 @@ def main():
     # Tensor parallelism: each rank moves and computes its shard, so the ideal is the ranks' sum.
     tp = args.tensor_parallel_size
     kv_bytes = torch.tensor([], dtype=llm.config.kv_cache_torch_dtype).element_size()
-    roof = roofline(cfg, steps, bandwidth * tp, flops * tp, dtype_bytes, fp8_weights=quant == "fp8",
+    routed = routing.per_step() if routing is not None else None
+    if moe and (routed is None or len(routed) != len(steps)):
+        print(f"routing record: {None if routed is None else len(routed)} forward passes for {len(steps)} steps; "
+              "the roofline counts every expert in every step")
+        routed = None
+    costs = architecture_costs(cfg, dtype_bytes, fp8_weights=quant == "fp8", kv_dtype_bytes=kv_bytes)
+    roof = roofline(cfg, steps, bandwidth * tp, flops * tp, dtype_bytes, routed, fp8_weights=quant == "fp8",
                     kv_dtype_bytes=kv_bytes, fp8_flops=fp8_flops * tp)
     ideal_tput = out_tokens / roof["ideal_time_s"]
     result = {
@@ -337,8 +315,12 @@ def main():
         "fraction_of_roofline": throughput / ideal_tput, "enforce_eager": args.enforce_eager,
         "tensor_parallel_size": args.tensor_parallel_size,
         "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-        "breakdown": step_breakdown(steps, times, start + elapsed, roof["step_ideal_s"]),
+        "breakdown": step_breakdown(steps, times, start + elapsed, roof["step_ideal_s"],
+                                    None if routed is None else [r / costs["sparse_layers"] for r in routed]),
     }
+    if routed is not None:
+        result["expert_bytes_read"] = sum(routed) * costs["expert_bytes"]
+        result["mean_experts_per_layer"] = sum(routed) / len(routed) / costs["sparse_layers"]
     if args.structured:
         result["structured"] = structured_result
     if args.steps_json:
@@ -354,9 +336,14 @@ def main():
           f"ideal {roof['ideal_time_s']:.2f}s = {ideal_tput:,.0f} tok/s; achieved {throughput / ideal_tput:.1%}")
     print(f"  before the first step {1e3 * (times[0] - start):.1f} ms; prefill/mixed step walls (ms): " + " ".join(
         f"{1e3 * w:.1f}" for w in prefill_walls(steps, step_walls(times, start + elapsed))))
+    if routed is not None:
+        print(f"  routed experts: {result['mean_experts_per_layer']:.1f} of {costs['num_experts']} per "
+              f"layer and step on average, {result['expert_bytes_read'] / 1e9:.1f} GB of expert weights in the ideal")
     for row in result["breakdown"]:
+        experts = f", {row['experts_per_layer']:.1f} experts/layer" if "experts_per_layer" in row else ""
         print(f"  {row['steps']:>14}: {row['count']:5d} steps, wall {row['wall_s']:.3f}s "
-              f"({row['wall_ms_per_step']:.2f} ms/step), ideal {row['ideal_s']:.3f}s ({row['ideal_ms_per_step']:.2f} ms/step)")
+              f"({row['wall_ms_per_step']:.2f} ms/step), ideal {row['ideal_s']:.3f}s ({row['ideal_ms_per_step']:.2f} ms/step)"
+              + experts)
     if clocks is not None:
         unix = lambda t: start_unix + (t - start)  # noqa: E731
         first_decode = next((times[i] for i, (nd, new, _, _) in enumerate(steps) if len(new) == nd), start + elapsed)
@@ -372,7 +359,7 @@ def main():
         with open(args.json, "w") as f:
             json.dump(result, f, indent=1)
     if args.profile and device.type == "cuda":
-        profile_run(llm, [[(t + 1) % 10000 for t in p] for p in prompts], params, trace=args.trace)
+        profile_run(llm, [[(t + 1) % 10000 for t in p] for p in prompts], params, trace=args.trace, steps=len(steps))
     llm.shutdown()
 
 

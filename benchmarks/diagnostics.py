@@ -2,6 +2,7 @@
 each records or prints around the timed run, kept apart from the benchmark itself."""
 import gc
 import os
+import re
 import time
 
 import torch
@@ -60,10 +61,33 @@ def device_rows(prof) -> list[tuple[str, int, float]]:
     return sorted(rows, key=lambda r: -r[2])
 
 
-def profile_run(llm, prompts, params, top: int = 25, trace: str | None = None):
+# Kinds of device work, by kernel name (first match wins): where a step's time goes.
+KERNEL_KINDS = (
+    ("router+sort (top-k, align)", r"_moe_topk_kernel|_moe_align_kernel"),
+    ("expert GEMMs", r"_moe_gate_up_kernel|_moe_down_kernel"),
+    ("attention", r"_decode_split_kernel|_merge_kernel|_prefill_kernel|_balanced_decode"),
+    ("qkv + rotary + K/V store", r"_qkv_rope_kernel|_qk_norm_rope|store_kv"),
+    ("dense GEMMs (ours)", r"_gemm_kernel"),
+    ("library GEMMs (incl. the MoE router)", r"gemm|nvjet|cutlass|xmma|gemv|splitK"),
+    ("RMSNorm, SiLU, elementwise", r"_rms_norm|_silu|elementwise|vectorized|reduce_kernel|index"),
+    ("sampling", r"sample|_top_k|_top_p|_resolve"),
+)
+
+
+def kernel_kinds(rows) -> list[tuple[str, float]]:
+    """(kind, device seconds) of device_rows(), in KERNEL_KINDS order, the rest as "other"."""
+    totals = {name: 0.0 for name, _ in KERNEL_KINDS}
+    totals["other"] = 0.0
+    for name, _, us in rows:
+        kind = next((k for k, pattern in KERNEL_KINDS if re.search(pattern, name)), "other")
+        totals[kind] += us / 1e6
+    return [(k, t) for k, t in totals.items() if t > 0]
+
+
+def profile_run(llm, prompts, params, top: int = 25, trace: str | None = None, steps: int | None = None):
     """One generate under the CUDA profiler: how much of the wall time the device spends in kernels
-    (the rest is the host not keeping up) and which kernels take it; `trace`: a chrome trace file
-    for scripts/trace_gaps.py (where the idle time sits)."""
+    (the rest is the host not keeping up), by kind of work (KERNEL_KINDS; per step over `steps`) and
+    which kernels take it; `trace`: a chrome trace file for scripts/trace_gaps.py (where the idle time sits)."""
     from torch.profiler import ProfilerActivity, profile
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
@@ -76,6 +100,9 @@ def profile_run(llm, prompts, params, top: int = 25, trace: str | None = None):
     rows = device_rows(prof)
     busy = sum(r[2] for r in rows) / 1e6
     print(f"profile: wall {wall:.3f}s (under the profiler), device busy {busy:.3f}s, idle {wall - busy:.3f}s")
+    for kind, seconds in kernel_kinds(rows):
+        per_step = f" {1e3 * seconds / steps:7.3f} ms/step" if steps else ""
+        print(f"  {seconds:8.3f}s {100 * seconds / max(busy, 1e-9):5.1f}% of busy{per_step}  {kind}")
     for name, count, us in rows[:top]:
         print(f"  {us / 1e6:8.3f}s {100 * us / 1e6 / wall:5.1f}% {count:8d}x {us / count:9.1f}us  {name[:90]}")
 

@@ -86,6 +86,8 @@ class Config:
         self.kv_cache_torch_dtype = _KV_CACHE_DTYPES[self.kv_cache_dtype] or self.torch_dtype
         from nanovllm.layers.quantization import resolve_quantization  # imported on use, as the model checks below
         self.quant_config = resolve_quantization(self.quantization, self.hf_config, self.load_format)
+        from nanovllm.models.registry import check_model_config  # imported on use, like the check below
+        check_model_config(self.hf_config, self.quant_config)  # before any process starts (tensor parallelism) or weight loads
         if self.quant_config is not None:
             from nanovllm.models.llama import check_block_quantization
             check_block_quantization(self.hf_config, self.tensor_parallel_size)

@@ -17,6 +17,9 @@
 #   fp8       the FP8 kernel tests and GPU tests, then full-size FP8 kernel checks and timings (scripts/fp8_kernels.py)
 #   bench8bfp8  Qwen3-8B with block-FP8 weights (bench.py --quantization fp8), workload and single request
 #   benchkvfp8  Qwen3-0.6B with the FP8 KV cache (bench.py --kv-cache-dtype fp8)
+#   moe       the MoE kernel tests and GPU tests, then scripts/bench_moe.py (fused MoE vs a torch per-expert
+#             loop over Qwen3-30B-A3B layers, bandwidth at decode sizes); moesweep: its tile sweep
+#   benchmoe / singlemoe / profilemoe  bench.py on Qwen3-30B-A3B (throughput, one request, --profile)
 set -o pipefail
 OUTDIR=${1:-${OUT:-/tmp/nanovllm-gpu}}
 mkdir -p "$OUTDIR"
@@ -73,6 +76,13 @@ for stage in $STAGES; do
       run single8b_fp8 python3 bench.py --config benchmarks/configs/qwen3-8b.json --quantization fp8 --single --json "$OUTDIR/single_qwen3_8b_fp8.json"
       run single8b python3 bench.py --config benchmarks/configs/qwen3-8b.json --single --json "$OUTDIR/single_qwen3_8b.json" ;;
     benchkvfp8) run bench_kvfp8 python3 bench.py --kv-cache-dtype fp8 --json "$OUTDIR/bench_qwen3_0.6b_kvfp8.json" ;;
+    moe)
+      run moe_tests python3 -m pytest tests/kernels/test_moe.py tests/gpu/test_moe_gpu.py -q -p no:cacheprovider --durations=8
+      run moe_kernels python3 scripts/bench_moe.py ;;
+    moesweep)  run moesweep python3 scripts/bench_moe.py --sweep --tokens ${MOE_TOKENS:-16,256} ;;
+    benchmoe)  run benchmoe python3 bench.py --config benchmarks/configs/qwen3-30b-a3b.json --json "$OUTDIR/bench_qwen3_30b_a3b.json" ;;
+    singlemoe) run singlemoe python3 bench.py --config benchmarks/configs/qwen3-30b-a3b.json --single --json "$OUTDIR/bench_qwen3_30b_a3b_single.json" ;;
+    profilemoe) run profilemoe python3 bench.py --config benchmarks/configs/qwen3-30b-a3b.json --profile ;;
     *) echo "unknown stage $stage"; status=1 ;;
   esac
 done

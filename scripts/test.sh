@@ -4,4 +4,4 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 . .venv/bin/activate
-python -m pytest tests -q -p no:cacheprovider "$@"
+python -m pytest tests -q -p no:cacheprovider --durations=30 "$@"

@@ -3,7 +3,8 @@ import os
 
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-from transformers import AutoModelForCausalLM, LlamaConfig, PreTrainedTokenizerFast, Qwen2Config, Qwen3Config
+from transformers import (AutoModelForCausalLM, LlamaConfig, MixtralConfig, PreTrainedTokenizerFast, Qwen2Config,
+                          Qwen2MoeConfig, Qwen3Config, Qwen3MoeConfig)
 
 CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
           "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
@@ -67,6 +68,26 @@ ARCHS = {
     "llama_mha": lambda: LlamaConfig(vocab_size=512, hidden_size=64, intermediate_size=96, num_hidden_layers=3,
                                      num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=1024,
                                      tie_word_embeddings=True),
+    # Mixtures of experts. Qwen3-MoE: 8 experts, 2 per token, renormalised; layer 1 dense (mlp_only_layers).
+    "qwen3_moe": lambda: Qwen3MoeConfig(vocab_size=512, hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
+                                        num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+                                        num_experts=8, num_experts_per_tok=2, norm_topk_prob=True, mlp_only_layers=[1],
+                                        max_position_embeddings=1024, tie_word_embeddings=False, rope_theta=1000000.0),
+    # Not renormalised, 3 of 6 experts, only every second layer sparse (decoder_sparse_step); tied.
+    "qwen3_moe_sparse2": lambda: Qwen3MoeConfig(vocab_size=512, hidden_size=64, intermediate_size=96,
+                                                moe_intermediate_size=48, num_hidden_layers=4, num_attention_heads=4,
+                                                num_key_value_heads=2, head_dim=16, num_experts=6, num_experts_per_tok=3,
+                                                norm_topk_prob=False, decoder_sparse_step=2,
+                                                max_position_embeddings=1024, tie_word_embeddings=True),
+    # Mixtral: 4 experts, 2 per token, routing weights kept in fp32.
+    "mixtral": lambda: MixtralConfig(vocab_size=512, hidden_size=64, intermediate_size=64, num_hidden_layers=2,
+                                     num_attention_heads=4, num_key_value_heads=2, num_local_experts=4,
+                                     num_experts_per_tok=2, max_position_embeddings=1024, tie_word_embeddings=False),
+    # Qwen2-MoE: qkv bias, a sigmoid-gated shared expert beside 6 routed experts.
+    "qwen2_moe": lambda: Qwen2MoeConfig(vocab_size=512, hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
+                                        shared_expert_intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+                                        num_key_value_heads=2, num_experts=6, num_experts_per_tok=2,
+                                        max_position_embeddings=1024, tie_word_embeddings=False),
 }
 
 

@@ -111,7 +111,7 @@ def test_roofline_counts_fp8_weights_and_an_fp8_cache_at_a_byte():
     """Block-FP8 projections: one byte per weight plus an fp32 scale per 128x128 block (the LM head stays
     in the model dtype); an FP8 cache: one byte per K/V value; FP8 products at the FP8 rate."""
     sys.path.insert(0, ROOT)
-    from bench import roofline
+    from benchmarks.roofline import roofline
     cfg = dict(hidden_size=256, num_hidden_layers=2, vocab_size=1000, num_attention_heads=2, num_key_value_heads=1,
                head_dim=128, intermediate_size=384)
     steps = [(0, [10], [10], [0]), (1, [1], [11], [10])]
@@ -147,3 +147,63 @@ def test_bench_with_fp8_weights_and_cache(tmp_path):
     result = json.loads(out.read_text())
     assert result["quantization"] == "fp8" and result["kv_cache_dtype"] == "torch.float8_e4m3fn"
     assert result["throughput_tok_s"] > 0 and "quantization=fp8 kv_cache_dtype=torch.float8_e4m3fn" in proc.stdout
+
+
+def _tiny_moe_config(tmp_path):
+    with open(os.path.join(ROOT, "benchmarks/configs/qwen3-30b-a3b.json")) as f:
+        config = json.load(f)
+    config.update(hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=3, num_experts=8,
+                  num_experts_per_tok=2, mlp_only_layers=[1], num_attention_heads=4, num_key_value_heads=2,
+                  head_dim=16, vocab_size=10240, bos_token_id=1, eos_token_id=2)
+    path = tmp_path / "tiny_moe.json"
+    path.write_text(json.dumps(config))
+    return path
+
+
+def test_bench_moe_roofline_reads_the_routed_experts(tmp_path):
+    """A mixture of experts: the layers' record of the router's choices (one entry per step) prices the
+    weights of the experts each step routed to; single requests route a decode token to its top-k."""
+    out = tmp_path / "moe.json"
+    proc = subprocess.run(
+        [sys.executable, "bench.py", "--config", str(_tiny_moe_config(tmp_path)), "--device", "cpu", "--num-seqs", "3",
+         "--max-input-len", "110", "--max-output-len", "102", "--max-model-len", "512", "--json", str(out)],
+        cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "routing record:" not in proc.stdout  # the record covered every step
+    result = json.loads(out.read_text())
+    assert 2 <= result["mean_experts_per_layer"] <= 8
+    decode = [row for row in result["breakdown"] if row["steps"].startswith("decode") and row["count"]]
+    assert decode and all(2 <= row["experts_per_layer"] <= 6 for row in decode)  # 1-3 tokens x top-2
+    assert any(line.startswith("  routed experts:") for line in proc.stdout.splitlines())
+
+
+def test_moe_roofline_counts_dense_parts_once_and_experts_per_route():
+    sys.path.insert(0, ROOT)
+    from benchmarks.roofline import architecture_costs, roofline
+    with open(os.path.join(ROOT, "benchmarks/configs/qwen3-30b-a3b.json")) as f:
+        cfg = json.load(f)
+    costs = architecture_costs(cfg)
+    assert costs["sparse_layers"] == 48 and costs["expert_bytes"] == 3 * 2048 * 768 * 2
+    total = costs["dense_weight_bytes"] + 48 * 128 * costs["expert_bytes"]
+    assert abs(total / 2 + 151936 * 2048 - 30.53e9) < 0.01e9  # 30.5B parameters with the (unread) embedding
+    assert abs(costs["active_params"] + 2 * 151936 * 2048 - 3.35e9) < 0.01e9  # 3.3B active with embedding, LM head
+    steps = [(1, [1], [100], [99]), (1, [1], [101], [100])]  # two one-row decode steps
+    roof = roofline(cfg, steps, 1e12, 1e15, routed_experts=[48 * 8, 48 * 128])
+    kv = costs["kv_bytes_per_token"]
+    assert roof["step_ideal_s"] == [(costs["dense_weight_bytes"] + 48 * 8 * costs["expert_bytes"] + 100 * kv) / 1e12,
+                                    (costs["dense_weight_bytes"] + 48 * 128 * costs["expert_bytes"] + 101 * kv) / 1e12]
+    dense = json.load(open(os.path.join(ROOT, "benchmarks/configs/qwen3-0.6b.json")))
+    c = architecture_costs(dense)
+    layer = 1024 * (16 + 16) * 128 + 16 * 128 * 1024 + 3 * 1024 * 3072
+    assert c["dense_weight_bytes"] == (28 * layer + 151936 * 1024) * 2 and c["sparse_layers"] == 0
+
+
+def test_profile_kernel_kinds():
+    """--profile's split of device time by kind of kernel (router+sort, expert GEMMs, attention, ...)."""
+    sys.path.insert(0, ROOT)
+    from benchmarks.diagnostics import kernel_kinds
+    rows = [("_moe_gate_up_kernel", 10, 3e6), ("_moe_down_kernel", 10, 1e6), ("_moe_topk_kernel", 10, 2e5),
+            ("_moe_align_kernel", 10, 3e5), ("_decode_split_kernel", 5, 1e6), ("nvjet_tst_64x8_64x16_4x1_v_bz", 3, 4e5),
+            ("Memcpy HtoD (Pinned -> Device)", 2, 1e4)]
+    assert kernel_kinds(rows) == [("router+sort (top-k, align)", 0.5), ("expert GEMMs", 4.0), ("attention", 1.0),
+                                  ("library GEMMs (incl. the MoE router)", 0.4), ("other", 0.01)]

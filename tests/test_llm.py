@@ -68,7 +68,8 @@ def test_bad_model_paths(tmp_path, model_factory):
     cfg = json.loads((odd / "config.json").read_text())
     cfg["architectures"] = ["MambaForCausalLM"]
     (odd / "config.json").write_text(json.dumps(cfg))
-    with pytest.raises(ValueError, match="unsupported model architecture.*LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM"):
+    with pytest.raises(ValueError, match="unsupported model architecture.*LlamaForCausalLM, MixtralForCausalLM, Qwen2ForCausalLM, "
+                       "Qwen2MoeForCausalLM, Qwen3ForCausalLM, Qwen3MoeForCausalLM"):
         LLM(str(odd))
 
 

@@ -32,6 +32,7 @@ from nanovllm.kernels.gemm import SplitKOutput, tma_compatible
 from nanovllm.kernels.pdl import PDL_LAUNCH, pdl_prologue
 
 BLOCK_K = GROUP_SIZE  # one K block of the weight (and one activation group) per iteration
+_BLOCK_K = tl.constexpr(BLOCK_K)  # the kernels' view: a compiled kernel reads only constexpr globals
 # Rows up to which our kernel runs; past it the library's GEMM (where available). The decode steps
 # of the benchmarks (up to 256 sequences) and their weights-bound products are below; prefill
 # chunks are above.
@@ -53,18 +54,18 @@ def fp8_mainloop(a_desc, a_ptr, as_ptr, w_desc, w_ptr, ws_ptr, M, W_ROWS, K, str
     acc_u = tl.zeros([BM, BN], tl.float32)
     rm = m0 + tl.arange(0, BM)
     rn = n0 + tl.arange(0, BN)
-    kk = tl.arange(0, BLOCK_K)
+    kk = tl.arange(0, _BLOCK_K)
     m_ok = rm < M
     n_ok = rn < W_ROWS
     a_rows = a_ptr + rm.to(tl.int64)[:, None] * K
     w_rows = w_ptr + rn.to(tl.int64)[:, None] * K
-    ws_rows = ws_ptr + (rn // BLOCK_K) * stride_ws
+    ws_rows = ws_ptr + (rn // _BLOCK_K) * stride_ws
     if GATED:
         w_rows_u = w_ptr + (rn + up_row).to(tl.int64)[:, None] * K
-        ws_rows_u = ws_ptr + ((rn + up_row) // BLOCK_K) * stride_ws
+        ws_rows_u = ws_ptr + ((rn + up_row) // _BLOCK_K) * stride_ws
         n_ok_u = rn + up_row < W_ROWS
     for kb in range(kb0, kb0 + K_BLOCKS):
-        k = kb * BLOCK_K
+        k = kb * _BLOCK_K
         if TMA:
             a = a_desc.load([m0, k])
             w = w_desc.load([n0, k])

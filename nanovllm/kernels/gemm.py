@@ -43,7 +43,7 @@ MAX_DENSE_K = 2048
 
 
 class SplitKOutput(NamedTuple):
-    parts: torch.Tensor   # [S, M, N] float32 partial products
+    parts: torch.Tensor   # [S, M, N] float32 partial products (a long MoE step's: in the activation dtype)
     dtype: torch.dtype    # the activation dtype the sum stands for
 
     @property
@@ -53,7 +53,7 @@ class SplitKOutput(NamedTuple):
     def sum(self) -> torch.Tensor:
         """The plain tensor (for consumers that cannot sum partials themselves), summed in the
         fused consumer's order."""
-        total = self.parts[0].clone()
+        total = self.parts[0].to(torch.float32, copy=True)
         for part in self.parts[1:]:
             total += part
         return total.to(self.dtype)

@@ -1,5 +1,6 @@
 """Plain-torch reference implementations of the paged-attention kernels (slow, for tests),
-plus a helper that builds random paged caches with shuffled block tables."""
+plus a helper that builds random paged caches with shuffled block tables, and of the
+mixture-of-experts kernels (routing, alignment by expert, the grouped GEMMs)."""
 
 import torch
 import torch.nn.functional as F
@@ -156,3 +157,58 @@ def quantize_kv_fp8(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
 def dequantize_kv_cache(cache: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """An FP8 cache [blocks, block_size, Hkv, D] as the attention kernels read it: cache * scale, in dtype."""
     return (cache.float() * scale.float()[:, None]).to(dtype)
+
+
+# ---- mixture of experts (kernels/moe_routing.py, kernels/moe_gemm.py) -------------------------
+def moe_topk(logits, top_k, renormalize, round_weights):
+    """Reference of the top-k kernel: (weights [T, k] fp32, ids [T, k] int32)."""
+    probs = torch.softmax(logits.float(), dim=-1)
+    weights, ids = torch.topk(probs, top_k, dim=-1)
+    if renormalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    if round_weights:
+        weights = weights.to(logits.dtype).float()
+    return weights, ids.int()
+
+
+def moe_align(ids, num_experts, block_m):
+    """Reference of the align kernel: (sorted_ids, block_expert, num_padded) over the used entries:
+    each expert's flat pair ids in ascending order, padded with T * k to a multiple of block_m."""
+    flat = ids.flatten().long()
+    n = flat.numel()
+    sorted_ids, block_expert = [], []
+    for e in range(num_experts):
+        pairs = (flat == e).nonzero().flatten()
+        if len(pairs):
+            pad = -len(pairs) % block_m
+            sorted_ids += pairs.tolist() + [n] * pad
+            block_expert += [e] * ((len(pairs) + pad) // block_m)
+    return (torch.tensor(sorted_ids, dtype=torch.int32), torch.tensor(block_expert, dtype=torch.int32),
+            len(sorted_ids))
+
+
+def moe_gate_up(x, w13, ids):
+    """Reference of `moe_gate_up`: row t * k + j = silu(x[t] @ gate^T) * (x[t] @ up^T) of expert
+    ids[t, j], rounded as the kernel rounds (each product, then the SiLU, then their product)."""
+    t, k = ids.shape
+    inter = w13.shape[1] // 2
+    out = torch.empty(t * k, inter, dtype=x.dtype, device=x.device)
+    flat = ids.flatten().long()
+    for e in flat.unique().tolist():
+        rows = (flat == e).nonzero().flatten()
+        gate_up = (x[rows // k].float() @ w13[e].float().T).to(x.dtype).float()
+        silu = F.silu(gate_up[:, :inter]).to(x.dtype).float()
+        out[rows] = (silu * gate_up[:, inter:]).to(x.dtype)
+    return out
+
+
+def moe_down(act, w2, weights, ids):
+    """Reference of `moe_down`: parts [k, T, H] fp32, parts[j, t] = weights[t, j] * act[t * k + j] @ down^T."""
+    t, k = ids.shape
+    parts = torch.empty(k, t, w2.shape[1], dtype=torch.float32, device=act.device)
+    flat = ids.flatten().long()
+    for e in flat.unique().tolist():
+        rows = (flat == e).nonzero().flatten()
+        y = (act[rows].float() @ w2[e].float().T) * weights.flatten()[rows, None].float()
+        parts[rows % k, rows // k] = y
+    return parts

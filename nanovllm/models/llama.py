@@ -67,16 +67,17 @@ class DecoderMLP(nn.Module):
         self.down_proj = RowParallelLinear(inter, config.hidden_size, bias, quant_config)
         self.gate_up_proj.quant_out = input_quant(self.down_proj)  # the SwiGLU hands down_proj its input form
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, meta: AttentionMetadata | None = None) -> torch.Tensor:
         # Consumed by the next residual-add RMSNorm (next layer's or the final one).
         return self.down_proj(self.gate_up_proj.swiglu(x), partials_ok=True)
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config, qkv_bias, o_bias, qk_norm, mlp_bias, quant_config=None):
+    def __init__(self, config, qkv_bias, o_bias, qk_norm, mlp_bias, quant_config=None, mlp: nn.Module | None = None):
+        """mlp: the feed-forward block, if not the dense one (an MoE layer: models/moe.py)."""
         super().__init__()
         self.self_attn = DecoderAttention(config, qkv_bias, o_bias, qk_norm, quant_config)
-        self.mlp = DecoderMLP(config, mlp_bias, quant_config)
+        self.mlp = mlp if mlp is not None else DecoderMLP(config, mlp_bias, quant_config)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         # Quantized projections take their input quantized by the norm that produces it (one kernel).
@@ -90,15 +91,17 @@ class DecoderLayer(nn.Module):
             x, residual = self.input_layernorm(x, residual)
         x = self.self_attn(positions, x, meta)
         x, residual = self.post_attention_layernorm(x, residual)
-        return self.mlp(x), residual
+        # The step's metadata too: an MoE block routes a CUDA graph's padding rows (slot -1) cheaply.
+        return self.mlp(x, meta), residual
 
 
 class DecoderModel(nn.Module):
-    def __init__(self, config, quant_config=None, **switches):
+    def __init__(self, config, quant_config=None, make_mlp=None, **switches):
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(config, **switches, quant_config=quant_config)
-                                    for _ in range(config.num_hidden_layers))
+        self.layers = nn.ModuleList(DecoderLayer(config, **switches, quant_config=quant_config,
+                                                 mlp=make_mlp(config, i) if make_mlp else None)
+                                    for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(self, input_ids, positions, meta):
@@ -123,12 +126,23 @@ class DecoderForCausalLM(nn.Module):
     def switches(cls, config) -> dict:
         raise NotImplementedError
 
+    supports_quantization = True  # layers/quantization's methods for every linear layer
+
+    @classmethod
+    def check_config(cls, config):
+        """Raise, naming the field, if the config asks for what this model does not implement."""
+
+    @classmethod
+    def make_mlp(cls, config, layer_idx: int) -> nn.Module | None:
+        """Layer layer_idx's feed-forward block; None: the dense MLP."""
+        return None
+
     def __init__(self, config, quant_config=None):
         """quant_config: the linear layers' quantization (layers/quantization), None for plain weights;
         the embeddings, norms and LM head stay in the model dtype."""
         super().__init__()
         self.config = config
-        self.model = DecoderModel(config, quant_config, **self.switches(config))
+        self.model = DecoderModel(config, quant_config, self.make_mlp, **self.switches(config))
         self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         if self.tie_word_embeddings:
@@ -165,8 +179,11 @@ def check_tensor_parallel(config, size: int):
         raise ValueError(f"tensor_parallel_size={size} must divide num_attention_heads={heads}")
     if kv_heads % size and size % kv_heads:
         raise ValueError(f"tensor_parallel_size={size} and num_key_value_heads={kv_heads}: one must divide the other")
-    if config.intermediate_size % size:
-        raise ValueError(f"tensor_parallel_size={size} must divide intermediate_size={config.intermediate_size}")
+    # The dense MLP's and (MoE models) every expert's and the shared expert's intermediate dimension.
+    for field in ("intermediate_size", "moe_intermediate_size", "shared_expert_intermediate_size"):
+        value = getattr(config, field, None)
+        if value and value % size:
+            raise ValueError(f"tensor_parallel_size={size} must divide {field}={value}")
 
 
 def check_block_quantization(config, size: int, block: int = 128):

@@ -2,6 +2,7 @@
 quantized layers finish their weights (`process_weights_after_loading`)."""
 import glob
 import os
+import re
 
 import torch
 from safetensors import safe_open
@@ -12,6 +13,8 @@ from nanovllm.models.registry import get_model_class
 
 # An FP8 KV cache's per-layer scales, as checkpoints name them (vLLM's `self_attn.k_scale` / `v_scale`).
 _KV_SCALE_SUFFIXES = (".self_attn.k_scale", ".self_attn.v_scale")
+# `...experts.{e}.{projection}.weight`: one expert's projection, bound for a stacked parameter.
+_EXPERT_TENSOR = re.compile(r"\.experts\.(\d+)\.(\w+)\.weight$")
 
 
 def build_model(hf_config, dtype: torch.dtype, device: torch.device, quant_config=None) -> nn.Module:
@@ -61,6 +64,11 @@ def load_weights(model: nn.Module, path: str):
     params = dict(model.named_parameters())
     buffers = dict(model.named_buffers())
     packed = getattr(model, "packed_modules_mapping", {})
+    # MoE models: checkpoint module names of ours (Mixtral's block_sparse_moe), and each expert projection's
+    # stacked parameter and shard (models/moe.py); every shard of a stacked parameter must arrive.
+    renames = getattr(model, "checkpoint_renames", {})
+    experts = getattr(model, "expert_projections", {})
+    shards: dict[str, set] = {}
     loaded: set[str] = set()
     for file in files:
         with safe_open(file, "pt", "cpu") as f:
@@ -73,10 +81,17 @@ def load_weights(model: nn.Module, path: str):
                     _load_kv_scale(model, buffers, name, f.get_tensor(name))
                     continue
                 target, shard_id = name, None
-                for ckpt_name, (fused_name, sid) in packed.items():
-                    if f".{ckpt_name}." in name:
-                        target, shard_id = name.replace(f".{ckpt_name}.", f".{fused_name}."), sid
-                        break
+                for old, new in renames.items():
+                    target = target.replace(old, new)
+                expert = _EXPERT_TENSOR.search(target) if experts else None
+                if expert is not None and expert.group(2) in experts:
+                    stacked, which = experts[expert.group(2)]
+                    target, shard_id = f"{target[:expert.start()]}.experts.{stacked}", (int(expert.group(1)), which)
+                else:
+                    for ckpt_name, (fused_name, sid) in packed.items():
+                        if f".{ckpt_name}." in target:
+                            target, shard_id = target.replace(f".{ckpt_name}.", f".{fused_name}."), sid
+                            break
                 param = params.get(target)
                 if param is None:
                     raise ValueError(f"checkpoint tensor {name!r} has no matching parameter in {type(model).__name__}")
@@ -89,7 +104,11 @@ def load_weights(model: nn.Module, path: str):
                 else:
                     loader(param, tensor, shard_id)
                 loaded.add(target)
+                if hasattr(param, "num_shards"):
+                    shards.setdefault(target, set()).add(shard_id)
     missing = [n for n in params if n not in loaded and not (n == "lm_head.weight" and model.tie_word_embeddings)]
+    missing += [f"{n} ({p.num_shards - len(shards[n])} of its {p.num_shards} expert shards)" for n, p in params.items()
+                if n in shards and len(shards[n]) < p.num_shards]
     if missing:
         raise ValueError(f"checkpoint in {path!r} lacks weights for: {', '.join(missing[:8])}"
                          + (" ..." if len(missing) > 8 else ""))

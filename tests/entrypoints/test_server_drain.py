@@ -2,9 +2,11 @@
 turns 503, requests in flight finish; what still runs after --shutdown-timeout ends with its final
 chunks (finish_reason "abort", usage when asked) and [DONE]; the process exits 0, its engine with it.
 
-The long requests (1000 tokens) cannot finish within the timeout on a CPU: the tiny model takes
-well over 2 ms a token there."""
+The long requests (8000 tokens, on a copy of the tiny model that allows 8192 positions) cannot
+finish within the timeout on a CPU: the tiny model takes well over 1 ms a step there (1000 tokens
+once did finish in time on a fast CI machine)."""
 import json
+import shutil
 import signal
 import threading
 import time
@@ -15,6 +17,7 @@ from helpers import descendants, running
 from openai_server_utils import TINY_ARGS, RemoteServer
 
 SHUTDOWN_TIMEOUT_S = 4.0
+LONG = 8000  # tokens of each long request
 
 
 def _sse(url: str, body: dict, out: dict, started: threading.Event):
@@ -38,19 +41,31 @@ def _finish_reasons(chunks: list[dict]) -> dict[int, str]:
     return {c["index"]: c["finish_reason"] for chunk in chunks for c in chunk["choices"] if c.get("finish_reason")}
 
 
-def test_sigterm_drains_then_exits_0(model_factory):
-    server = RemoteServer([model_factory("qwen3"), *TINY_ARGS, "--max-num-seqs", "8",
+def _long_context_copy(model_dir: str, dest: str) -> str:
+    """The tiny model with 8192 positions (rotary weights do not depend on the length)."""
+    shutil.copytree(model_dir, dest)
+    with open(f"{dest}/config.json") as f:
+        config = json.load(f)
+    config["max_position_embeddings"] = 8192
+    with open(f"{dest}/config.json", "w") as f:
+        json.dump(config, f)
+    return dest
+
+
+def test_sigterm_drains_then_exits_0(model_factory, tmp_path):
+    model_dir = _long_context_copy(model_factory("qwen3"), str(tmp_path / "qwen3-8k"))
+    server = RemoteServer([model_dir, *TINY_ARGS, "--max-num-seqs", "8", "--max-model-len", "8192",
                            "--shutdown-timeout", str(SHUTDOWN_TIMEOUT_S)])
     try:
         model = server.client().models.list().data[0].id
         base = {"model": model, "temperature": 0.0, "ignore_eos": True}
         cmpl, chat = server.url + "/v1/completions", server.url + "/v1/chat/completions"
         long_requests = [
-            (cmpl, {**base, "prompt": [1, 2, 3], "max_tokens": 1000, "stream": True,
+            (cmpl, {**base, "prompt": [1, 2, 3], "max_tokens": LONG, "stream": True,
                     "stream_options": {"include_usage": True}}),
-            (chat, {**base, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1000, "stream": True,
+            (chat, {**base, "messages": [{"role": "user", "content": "hi"}], "max_tokens": LONG, "stream": True,
                     "stream_options": {"include_usage": True}}),
-            (cmpl, {**base, "prompt": [4, 5, 6], "max_tokens": 1000, "n": 2, "stream": True}),
+            (cmpl, {**base, "prompt": [4, 5, 6], "max_tokens": LONG, "n": 2, "stream": True}),
         ]
         outs = [{} for _ in long_requests]
         starts = [threading.Event() for _ in long_requests]
@@ -58,7 +73,7 @@ def test_sigterm_drains_then_exits_0(model_factory):
                    for (url, body), out, started in zip(long_requests, outs, starts)]
         whole = {}
         readers.append(threading.Thread(target=lambda: whole.update(response=httpx.post(
-            cmpl, json={**base, "prompt": [7, 8], "max_tokens": 1000}, timeout=60))))
+            cmpl, json={**base, "prompt": [7, 8], "max_tokens": LONG}, timeout=60))))
         for t in readers:
             t.start()
         assert all(s.wait(60) for s in starts)  # all are generating
@@ -92,10 +107,10 @@ def test_sigterm_drains_then_exits_0(model_factory):
             assert not any("error" in chunk for chunk in out["chunks"])
             if body.get("stream_options"):
                 usage = out["chunks"][-1]["usage"]
-                assert out["chunks"][-1]["choices"] == [] and 0 < usage["completion_tokens"] < 1000
+                assert out["chunks"][-1]["choices"] == [] and 0 < usage["completion_tokens"] < LONG
         r = whole["response"]
         assert r.status_code == 200 and r.json()["choices"][0]["finish_reason"] == "abort"
-        assert 0 < r.json()["usage"]["completion_tokens"] < 1000 and r.json()["choices"][0]["text"]
+        assert 0 < r.json()["usage"]["completion_tokens"] < LONG and r.json()["choices"][0]["text"]
         assert SHUTDOWN_TIMEOUT_S - 0.5 < ended < SHUTDOWN_TIMEOUT_S + 10
         assert server.proc.wait(15) == 0
         log = server.log_text()

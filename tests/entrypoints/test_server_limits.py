@@ -115,6 +115,16 @@ def test_a_request_that_can_never_be_queued_is_a_400(server):
         assert time.monotonic() - start < 5
 
 
+def _wait_for_idle_connections_to_close(server):
+    """Earlier tests' clients leave keep-alive connections that count against --limit-concurrency
+    until the server closes them, --timeout-keep-alive after their last request: wait for /health."""
+    deadline = time.monotonic() + TIMEOUT_S + 5
+    while (r := httpx.get(server.url + "/health", timeout=5, headers={"Connection": "close"})).status_code != 200:
+        assert time.monotonic() < deadline, r.text
+        time.sleep(0.1)
+    time.sleep(TIMEOUT_S + 0.2)
+
+
 def _connect(server) -> socket.socket:
     sock = socket.create_connection(("127.0.0.1", server.port), timeout=10)
     return sock
@@ -141,6 +151,7 @@ def test_slow_request_heads_are_cut_off(server):
     """slowloris: request heads sent a byte at a time, and connections that send nothing, are closed
     once the header timeout has passed; meanwhile the server answers others."""
     head = f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {KEY}\r\n".encode()
+    _wait_for_idle_connections_to_close(server)
     silent = [_connect(server) for _ in range(3)]
     dribbling = [_connect(server) for _ in range(5)]
     start = time.monotonic()
@@ -148,7 +159,8 @@ def test_slow_request_heads_are_cut_off(server):
         for sock in dribbling:
             sock.send(head[i:i + 1])
         time.sleep(TIMEOUT_S / 20)
-    assert httpx.get(server.url + "/health", timeout=2).status_code == 200
+    r = httpx.get(server.url + "/health", timeout=2)
+    assert r.status_code == 200, r.text
     for sock in dribbling + silent:
         closed, received = _closed_within(sock, TIMEOUT_S + 2 - (time.monotonic() - start))
         assert closed, "a connection outlived the header timeout"
@@ -170,6 +182,7 @@ def test_a_body_shorter_than_its_length_gets_408(server):
 
 
 def test_connections_beyond_the_limit_get_503_until_some_close(server):
+    _wait_for_idle_connections_to_close(server)
     idle = [_connect(server) for _ in range(LIMIT_CONCURRENCY)]
     time.sleep(0.2)
     r = httpx.get(server.url + "/health", timeout=5)

@@ -32,11 +32,13 @@ def shutdown_within(llm, seconds: float):
     assert not stopper.is_alive(), f"shutdown still running after {seconds} s"
 
 
-@pytest.mark.parametrize("arch", ["qwen3", "qwen2", "llama"])
+@pytest.mark.parametrize("arch", ["qwen3", "qwen2", "llama", "qwen3_moe", "qwen2_moe"])
 @pytest.mark.parametrize("enforce_eager", [False, True])
 def test_two_gpus_greedy_matches_hf_fp32(arch, enforce_eager, model_factory, hf_reference):
-    """qwen3: GQA, tied embeddings; qwen2: qkv bias, untied head; llama: one KV head, replicated.
-    Shutting down (graphs captured around the all-reduces) ends the worker promptly."""
+    """qwen3: GQA, tied embeddings; qwen2: qkv bias, untied head; llama: one KV head, replicated;
+    qwen3_moe / qwen2_moe: each expert's intermediate dimension (and the shared expert's) split over the
+    GPUs, one all-reduce per MoE layer. Shutting down (graphs captured around the all-reduces) ends the
+    worker promptly."""
     llm = LLM(model_factory(arch), tensor_parallel_size=2, enforce_eager=enforce_eager, **KW)
     try:
         runner = llm.engine.model_runner.runner  # rank 0's ModelRunner inside the executor

@@ -9,7 +9,11 @@ import torch
 from helpers import assert_greedy_match
 from nanovllm import LLM, SamplingParams
 
-ARCHS = ["qwen3", "qwen2", "llama", "llama_mha"]
+DENSE = ["qwen3", "qwen2", "llama", "llama_mha"]
+# Mixtures of experts: renormalised top-k with a dense layer, unnormalised every second layer, Mixtral's
+# fp32 routing weights, Qwen2-MoE's shared expert.
+MOE = ["qwen3_moe", "qwen3_moe_sparse2", "mixtral", "qwen2_moe"]
+ARCHS = DENSE + MOE
 MAX_NEW = 20
 
 
@@ -50,7 +54,7 @@ def test_text_prompts_match_hf(arch, model_factory, hf_reference):
         assert out["text"] == tok.decode(out["token_ids"], skip_special_tokens=True)
 
 
-@pytest.mark.parametrize("arch,block_size", [(arch, 16) for arch in ARCHS] + [("qwen3", 256)])
+@pytest.mark.parametrize("arch,block_size", [(arch, 16) for arch in DENSE + ["qwen3_moe", "mixtral"]] + [("qwen3", 256)])
 def test_prefix_cache_hits_keep_output(arch, block_size, model_factory, hf_reference):
     llm = LLM(model_factory(arch), dtype="float32", kvcache_block_size=block_size)
     prompts = _prompts(2, shared_prefix=40)  # 16-token blocks: 2 full shared blocks + part of a third
@@ -64,13 +68,13 @@ def test_prefix_cache_hits_keep_output(arch, block_size, model_factory, hf_refer
     assert [o["num_cached_tokens"] for o in outs] == [len(p) - 1 for p in prompts]
 
 
-@pytest.mark.parametrize("arch", ["qwen3", "qwen2", "llama"])
+@pytest.mark.parametrize("arch", ["qwen3", "qwen2", "llama", "qwen3_moe", "mixtral"])
 def test_chunked_prefill(arch, model_factory, hf_reference):
     llm = LLM(model_factory(arch), dtype="float32", kvcache_block_size=16, max_num_batched_tokens=37)
     _check(llm, hf_reference(arch), _prompts(3), f"{arch} chunked")
 
 
-@pytest.mark.parametrize("arch", ["qwen3", "llama"])
+@pytest.mark.parametrize("arch", ["qwen3", "llama", "qwen3_moe"])
 def test_preemption(arch, model_factory, hf_reference):
     # 24 blocks of 16 tokens: the 8 prompts (+ outputs) need ~50, so sequences must be preempted.
     llm = LLM(model_factory(arch), dtype="float32", kvcache_block_size=16, num_kvcache_blocks=24,
@@ -109,7 +113,7 @@ def test_one_forward_logits(arch, model_factory, hf_reference):
     assert seq.is_finished
 
 
-@pytest.mark.parametrize("arch", ["qwen3", "llama"])
+@pytest.mark.parametrize("arch", ["qwen3", "llama", "qwen3_moe"])
 def test_overlapped_steps_match(arch, model_factory, hf_reference):
     """The GPU's overlap (launch step N+1 before reading step N's tokens) exercised on the CPU,
     under preemption and chunked prefill."""

@@ -53,10 +53,12 @@ def _run(llm, prompts=PROMPTS, params=PARAMS):
 
 
 # ---- parity ------------------------------------------------------------------------------
-@pytest.mark.parametrize("arch", ["qwen3", "qwen2", "llama"])
+@pytest.mark.parametrize("arch", ["qwen3", "qwen2", "llama", "qwen3_moe", "qwen2_moe"])
 def test_two_ranks_match_one(model_factory, arch):
     """qwen3: GQA with tied embeddings; qwen2: 6 heads / 2 KV heads, qkv bias, untied head;
-    llama: a single KV head, so both ranks hold a replica of it."""
+    llama: a single KV head, so both ranks hold a replica of it; qwen3_moe: every expert's
+    intermediate dimension split over the ranks (and a dense layer); qwen2_moe: the shared expert's
+    partial summed in the same all-reduce as the routed experts'."""
     path = model_factory(arch)
     with LLM(path, **KW) as ref:
         expected, _ = _run(ref)

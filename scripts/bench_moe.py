@@ -1,0 +1,161 @@
+"""The fused-MoE kernels of one Qwen3-30B-A3B layer (128 experts, 8 per token, hidden 2048, expert
+intermediate 768, bf16) against a plain torch per-expert loop, at decode and prefill token counts.
+
+    python scripts/bench_moe.py [--tokens 1,8,64,256,4096] [--tp 2] [--sweep [--block-m 16,32]]      (GPU)
+
+Per token count T: the fused path (router GEMM, top-k, align, gate_up, down; one CUDA graph over
+COPIES layers' weights, so every call streams its experts from HBM as in a model) and its stages
+timed alone, the torch loop (router, softmax/top-k, then for every routed expert: gather, gate_up,
+SiLU, down, weight, index_add; eager: it syncs to find the experts), the ratio, and at decode sizes
+the achieved bandwidth: the bytes of the routed experts' weights (+ the router) over the time, against
+the copy bandwidth measured as bench.py measures it. First a bf16 check of the fused output against the
+loop at every T. --sweep: each GEMM's tiles over a grid of variants at each T (the table's entry first),
+the best per GEMM printed as a `moe_gemm._TABLE` candidate.
+"""
+import argparse
+import itertools
+import os
+import sys
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.testing
+
+ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
+sys.path.insert(0, ROOT)
+from bench import measure_device  # noqa: E402
+from nanovllm.kernels.moe_gemm import MoeTile, moe_config, moe_down, moe_gate_up, parts_dtype  # noqa: E402
+from nanovllm.kernels.moe_routing import route  # noqa: E402
+
+E, TOP_K, HIDDEN, INTER = 128, 8, 2048, 768
+COPIES = 4  # layers' weights the timed graph rotates over (4 x 1.2 GB: far past L2)
+DECODE_MAX = 512
+
+
+def per_call_us(fn, copies: int = COPIES) -> float:
+    """fn(i) for each layer copy i, captured in one graph; microseconds per call."""
+    return triton.testing.do_bench_cudagraph(lambda: [fn(i) for i in range(copies)], rep=30) * 1e3 / copies
+
+
+class Layer:
+    def __init__(self, inter: int, dtype, device, seed: int):
+        g = torch.Generator(device=device).manual_seed(seed)
+        self.router = torch.randn(E, HIDDEN, generator=g, device=device, dtype=dtype) * HIDDEN ** -0.5
+        self.w13 = torch.randn(E, 2 * inter, HIDDEN, generator=g, device=device, dtype=dtype) * HIDDEN ** -0.5
+        self.w2 = torch.randn(E, HIDDEN, inter, generator=g, device=device, dtype=dtype) * inter ** -0.5
+
+
+def fused(x, layer: Layer, config, parts):
+    routing = route(F.linear(x, layer.router), TOP_K, config.block_m, True, True)
+    act = moe_gate_up(x, layer.w13, routing, config.gate_up)
+    moe_down(act, layer.w2, routing, config.down, parts)
+    return routing
+
+
+def torch_loop(x, layer: Layer):
+    """HF's eager experts loop (layers/fused_moe.SparseMoeBlock's CPU path) on the GPU."""
+    probs = F.softmax(F.linear(x, layer.router), dim=-1, dtype=torch.float32)
+    weights, ids = torch.topk(probs, TOP_K, dim=-1)
+    weights = (weights / weights.sum(-1, keepdim=True)).to(x.dtype)
+    out = torch.zeros_like(x)
+    for e in torch.unique(ids).tolist():
+        slot, token = torch.where((ids == e).T)
+        gate, up = F.linear(x[token], layer.w13[e]).chunk(2, dim=-1)
+        h = F.linear(F.silu(gate) * up, layer.w2[e]) * weights[token, slot, None]
+        out.index_add_(0, token, h)
+    return out
+
+
+def eager_us(fn, reps: int = 10) -> float:
+    return triton.testing.do_bench(fn, warmup=3, rep=reps * 5) * 1e3
+
+
+def tile_variants(base: MoeTile, gated: bool, block_m: int):
+    """The table's tile first (and it with TMA weights), then column widths x depths x pipeline depths, the
+    weights by pointers and through TMA descriptors."""
+    bns = (32, 64, 128) if gated else (64, 128, 256)
+    out = [base, base._replace(tma=not base.tma)]
+    for bn, bk, stages, tma in itertools.product(bns, (64, 128), (3, 4), (False, True)):
+        rows = 2 * bn if gated else bn
+        if (block_m + rows) * bk * 2 * stages <= 200 << 10:  # shared memory per program
+            out.append(MoeTile(bn, bk, 8 if block_m >= 128 else 4, stages, tma))
+    return list(dict.fromkeys(out))
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--tokens", default="1,4,16,64,128,256,512,2048,16384")
+    ap.add_argument("--tp", type=int, default=1, help="the expert intermediate size of one of this many ranks")
+    ap.add_argument("--sweep", action="store_true", help="tile variants at each of --tokens (~1-2 min per count)")
+    ap.add_argument("--block-m", default="", help="with --sweep: row blocks to try beside the table's, e.g. 16,32,64")
+    args = ap.parse_args()
+    dev, dt = torch.device("cuda"), torch.bfloat16
+    inter = INTER // args.tp
+    bandwidth, _ = measure_device(dev)
+    layers = [Layer(inter, dt, dev, seed) for seed in range(COPIES)]
+    expert_bytes = 3 * HIDDEN * inter * 2
+    print(f"{torch.cuda.get_device_name(dev)}: copy bandwidth {bandwidth / 1e12:.2f} TB/s; layer: {E} experts of "
+          f"[{HIDDEN} x {inter}] (tp={args.tp}), top-{TOP_K}, {dt}")
+    for t in [int(v) for v in args.tokens.split(",")]:
+        xs = [torch.randn(t, HIDDEN, device=dev, dtype=dt) for _ in range(COPIES)]
+        config = moe_config(t, HIDDEN, inter, dt)
+        parts = torch.empty(TOP_K, t, HIDDEN, device=dev, dtype=parts_dtype(t, HIDDEN, TOP_K, dt))  # as the engine
+        routing = fused(xs[0], layers[0], config, parts)
+        expect = torch_loop(xs[0], layers[0]).float()
+        err = ((parts.float().sum(0) - expect).abs().max() / expect.abs().max()).item()
+        status = "ok" if err < 2e-2 else "MISMATCH"
+        distinct = sum(len(torch.unique(fused(x, l, config, parts).ids)) for x, l in zip(xs, layers)) / COPIES
+        t_fused = per_call_us(lambda i: fused(xs[i], layers[i], config, parts))
+        t_router = per_call_us(lambda i: F.linear(xs[i], layers[i].router))
+        logits = [F.linear(x, l.router) for x, l in zip(xs, layers)]
+        routings = [route(lg, TOP_K, config.block_m, True, True) for lg in logits]
+        acts = [moe_gate_up(x, l.w13, r, config.gate_up) for x, l, r in zip(xs, layers, routings)]
+        t_route = per_call_us(lambda i: route(logits[i], TOP_K, config.block_m, True, True))
+        t_gate_up = per_call_us(lambda i: moe_gate_up(xs[i], layers[i].w13, routings[i], config.gate_up))
+        t_down = per_call_us(lambda i: moe_down(acts[i], layers[i].w2, routings[i], config.down, parts))
+        t_loop = eager_us(lambda: torch_loop(xs[0], layers[0]))
+        line = (f"T={t:5d} {status} (rel err {err:.1e}) {distinct:5.1f} experts | fused {t_fused:7.1f} us (router "
+                f"{t_router:.1f}, top-k+align {t_route:.1f}, gate_up {t_gate_up:.1f}, down {t_down:.1f}) | torch loop "
+                f"{t_loop:8.1f} us | {t_loop / t_fused:5.1f}x")
+        if t <= DECODE_MAX:
+            moved = distinct * expert_bytes
+            gemm_bw = moved / ((t_gate_up + t_down) * 1e-6)
+            layer_bw = (moved + E * HIDDEN * 2) / (t_fused * 1e-6)
+            line += (f" | expert GEMMs {gemm_bw / 1e12:.2f} TB/s = {gemm_bw / bandwidth:.0%}, layer {layer_bw / 1e12:.2f}"
+                     f" TB/s = {layer_bw / bandwidth:.0%} of copy")
+        print(line, flush=True)
+        if args.sweep:
+            sweep(t, xs, layers, logits, inter, config, parts, [int(v) for v in args.block_m.split(",") if v])
+
+
+def sweep(t, xs, layers, logits, inter, config, parts, block_ms):
+    """The table's block_m (and block_ms) with each GEMM's tile variants; the best pair (block_m is shared)."""
+    results = []
+    for block_m in sorted({config.block_m, *block_ms}):
+        routings = [route(lg, TOP_K, block_m, True, True) for lg in logits]
+        base = config
+        best = {}
+        for name, gated, base_tile in (("gate_up", True, base.gate_up), ("down", False, base.down)):
+            for tile in tile_variants(base_tile, gated, block_m):
+                try:
+                    if gated:
+                        us = per_call_us(lambda i: moe_gate_up(xs[i], layers[i].w13, routings[i], tile))
+                    else:
+                        acts = [moe_gate_up(x, l.w13, r, base.gate_up) for x, l, r in zip(xs, layers, routings)]
+                        us = per_call_us(lambda i: moe_down(acts[i], layers[i].w2, routings[i], tile, parts))
+                except Exception as e:  # noqa: BLE001 - out of shared memory, registers
+                    print(f"    BM={block_m} {name} {tile}: {type(e).__name__} {str(e)[:80]}")
+                    continue
+                mark = " (table)" if block_m == config.block_m and tile == base_tile else ""
+                print(f"    BM={block_m:3d} {name:>7} {tile}: {us:7.1f} us{mark}", flush=True)
+                best[name] = min(best.get(name, (float("inf"), None)), (us, tile), key=lambda p: p[0])
+        if len(best) == 2:
+            results.append((best["gate_up"][0] + best["down"][0], block_m, best["gate_up"][1], best["down"][1]))
+    if results:
+        total, block_m, gate_up, down = min(results, key=lambda r: r[0])
+        print(f"  T={t}: best {total:.1f} us: MoeConfig({block_m}, {gate_up}, {down})", flush=True)
+
+
+if __name__ == "__main__":
+    main()
