@@ -12,7 +12,8 @@ on a GPU (it launches step N, then reads step N-1's tokens, waiting for them if 
 `--data-parallel-size N`: N engine cores (each with a stand-in device of its own) behind the one API
 process, as `nanovllm serve --data-parallel-size N` runs them. After the run the script prints the
 CPU time each process took over the timed run, as a share of one CPU core: an API process near
-100% (its event loop is one thread) would be the bottleneck.
+100% (its event loop is one thread) would be the bottleneck; so would a client whose processes are
+near 100% each (its CPU is printed too).
 
 Defaults: the GPU serving benchmark's workload (`STAGES=serving bash scripts/gpu_check.sh`: inputs and outputs of
 100-1024 tokens, token ids below 10,000, no tokenizer) at the H200's speed for Qwen3-0.6B (~5 ms per
@@ -23,6 +24,7 @@ import functools
 import json
 import os
 import re
+import resource
 import subprocess
 import sys
 import tempfile
@@ -127,6 +129,12 @@ def _cpu_seconds(pid: int) -> dict[int, tuple[str, float]]:
     return out
 
 
+def _reaped_children_cpu() -> float:
+    """CPU seconds of this process's children that have exited (the client, once it is done)."""
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
+
+
 def _get(url: str) -> str:
     with urllib.request.urlopen(url, timeout=5) as response:
         return response.read().decode()
@@ -174,12 +182,15 @@ def main():
                       "--output-len", args.output_len, "--processes", str(args.processes)]
             if args.json_out:
                 client += ["--json-out", args.json_out]
-            before, start = _cpu_seconds(server.pid), time.perf_counter()
+            before, start, clients = _cpu_seconds(server.pid), time.perf_counter(), _reaped_children_cpu()
             status = subprocess.call(client)
             after, wall = _cpu_seconds(server.pid), time.perf_counter() - start
             for pid, (name, seconds) in after.items():  # the client's warm-up request included
                 used = seconds - before.get(pid, (name, 0.0))[1]
                 print(f"CPU of the {name} {pid}: {used:.1f} s in {wall:.1f} s = {used / wall:.0%} of a core")
+            used = _reaped_children_cpu() - clients
+            print(f"CPU of the client ({args.processes} processes): {used:.1f} s = {used / wall:.0%} of a core; "
+                  f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs")
             for line in _get(base + "/metrics").splitlines():
                 if line.startswith("nanovllm:engine_") or "_seconds_sum" in line:
                     engine = re.search(r'engine="([^"]*)"', line)

@@ -46,4 +46,5 @@ def test_whole_server_run(tmp_path):
     assert summary["successful"] == 12 and summary["failed"] == 0 and summary["output_tokens"] >= 12 * 8
     assert "nanovllm:engine_emit_seconds_total[engine 1]" in proc.stdout  # two engine cores served
     cpu = [line for line in proc.stdout.splitlines() if line.startswith("CPU of the ")]
-    assert len(cpu) == 3 and "API process" in cpu[0], proc.stdout[-2000:]
+    assert len(cpu) == 4 and "API process" in cpu[0] and "client" in cpu[3], proc.stdout[-2000:]
+    assert sum("engine process" in line for line in cpu) == 2

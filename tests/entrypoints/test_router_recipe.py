@@ -1,7 +1,7 @@
 """docs/scale-out.md's recipe on loopback (issue 42): two `nanovllm serve` replicas behind vllm-router
 with its cache-aware policy, traffic through the router with the openai client; both replicas serve,
 a repeated prefix stays on one replica, and after one replica is killed mid-run (SIGKILL) every new
-request succeeds through the router."""
+request succeeds through the router. The replicas require an API key, which the router passes on."""
 import os
 import signal
 import subprocess
@@ -12,6 +12,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
+import openai
 import pytest
 
 from openai_server_utils import TINY_ARGS, RemoteServer, engine_samples, free_port
@@ -32,6 +33,7 @@ _MISSING = _router_missing()
 pytestmark = pytest.mark.skipif(_MISSING is not None, reason=str(_MISSING))
 
 SUCCESS = 'vllm:request_success_total{finished_reason="length"}'
+KEY = "router-recipe-key"
 
 
 class Router:
@@ -51,15 +53,20 @@ class Router:
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"the router exited with {self.proc.returncode}:\n{self.output()}")
+                output = self.output()
+                self.stop()
+                raise RuntimeError(f"the router exited with {self.proc.returncode}:\n{output}")
             try:
-                if httpx.get(self.url + "/v1/models", timeout=2).status_code == 200:
+                # Up once it forwards to a worker (the key goes through to the replicas).
+                if httpx.get(self.url + "/v1/models", headers={"Authorization": f"Bearer {KEY}"},
+                             timeout=2).status_code == 200:
                     return
             except httpx.HTTPError:
                 pass
             time.sleep(0.2)
+        output = self.output()
         self.stop()
-        raise RuntimeError(f"the router did not come up:\n{self.output()}")
+        raise RuntimeError(f"the router did not come up:\n{output}")
 
     def output(self) -> str:
         self.log.flush()
@@ -78,9 +85,10 @@ class Router:
 
 
 def test_two_replicas_behind_vllm_router_survive_losing_one(model_factory):
-    args = [model_factory("qwen3"), *TINY_ARGS, "--served-model-name", "tiny"]
+    # The replicas want an API key: the router forwards the client's, and polls /ready without one.
+    args = [model_factory("qwen3"), *TINY_ARGS, "--served-model-name", "tiny", "--api-key", KEY]
     with ThreadPoolExecutor(2) as pool:  # the two replicas load together
-        starting = [pool.submit(RemoteServer, args) for _ in range(2)]
+        starting = [pool.submit(RemoteServer, args, KEY) for _ in range(2)]
     if any(f.exception() for f in starting):
         for f in starting:
             if f.exception() is None:
@@ -90,9 +98,11 @@ def test_two_replicas_behind_vllm_router_survive_losing_one(model_factory):
     router = None
     try:
         router = Router([r.url for r in replicas])
-        client = __import__("openai").OpenAI(base_url=router.url + "/v1", api_key="unused", max_retries=0,
+        client = openai.OpenAI(base_url=router.url + "/v1", api_key=KEY, max_retries=0,
                                              timeout=60)
         assert [m.id for m in client.models.list().data] == ["tiny"]
+        with pytest.raises(openai.AuthenticationError):
+            client.with_options(api_key="wrong").completions.create(model="tiny", prompt="hi", max_tokens=1)
         before = [r.metrics() for r in replicas]
 
         # Distinct prompts at once: the policy balances them over both replicas.
