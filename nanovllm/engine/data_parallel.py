@@ -28,6 +28,14 @@ from nanovllm.sampling_params import SamplingParams
 logger = logging.getLogger("nanovllm.data_parallel")
 
 
+def usable_cpus() -> int:
+    """The CPUs this process may run on (a container's or taskset's cpuset, not the host's count)."""
+    try:
+        return len(os.sched_getaffinity(0)) or 1
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
 def check_data_parallel(config: Config, size: int, uses_cpu_cores: bool = True):
     """Raise ValueError if `size` cores cannot be placed with this config (before any starts).
     uses_cpu_cores=False: the cores compute nothing on the host's CPU (a stand-in device), so the
@@ -47,9 +55,9 @@ def check_data_parallel(config: Config, size: int, uses_cpu_cores: bool = True):
         if tp > 1:
             raise ValueError("on the CPU, data_parallel_size > 1 and tensor_parallel_size > 1 cannot be combined "
                              "(both split the host's cores): use one of them")
-        cores = os.cpu_count() or 1
+        cores = usable_cpus()
         if size > cores and uses_cpu_cores:
-            raise ValueError(f"data_parallel_size={size} exceeds the {cores} CPU cores of this machine")
+            raise ValueError(f"data_parallel_size={size} exceeds the {cores} CPU cores this process may use")
 
 
 def core_config(config: Config, index: int, size: int) -> Config:
@@ -73,7 +81,7 @@ class DataParallelEngine:
         self.config = config
         self.size = size
         self.max_waiting = max_waiting
-        threads = max(1, (os.cpu_count() or 1) // size) if size > 1 and config.device.type == "cpu" else None
+        threads = max(1, usable_cpus() // size) if size > 1 and config.device.type == "cpu" else None
         self.cores = [AsyncLLMEngine(core_config(config, i, size), max_waiting,
                                      listener=listeners[i] if listeners else None, engine_factory=engine_factory,
                                      separate_process=separate_process,
