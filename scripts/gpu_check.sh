@@ -3,7 +3,7 @@
 #   bash scripts/gpu_check.sh [OUTDIR]      (on the device machine: OUTDIR defaults to $OUT)
 # STAGES picks what runs (default "tests kernels bench single bench8b"):
 #   tests     the GPU test suite (tests/kernels tests/layers tests/gpu)
-#   kernels   full-size paged-attention kernel checks and timings (scripts/gpu_kernels.py)
+#   kernels   full-size paged-attention kernel checks and timings (scripts/gpu_kernels.py attention, KERNEL_ARGS)
 #   bench     python bench.py (nano-vllm's benchmark, Qwen3-0.6B, random weights) with its roofline
 #   single    python bench.py --single (one request, 512 new tokens)
 #   bench8b   the same workload on the Qwen3-8B architecture
@@ -12,13 +12,21 @@
 #   serving   the OpenAI server under bench_serving.py (concurrency 256, request rate 16, concurrency 1);
 #             the device image lacks the server's packages: run scripts/fetch_device_wheels.sh first and
 #             carry .whl (CLIENT_PROCESSES=N client processes at concurrency 256, default 4)
+#   multiturn the multi-turn chat benchmark (bench_serving.py --multi-turn): the same conversations against a
+#             server with prefix reuse off, against the engine in $BASELINE if given (an older nanovllm, e.g.
+#             full-block reuse only), and with this tree's token-granular reuse; Qwen3-0.6B, random bf16
+#             weights, 256-token blocks; then a table of hit rates and TTFTs. MULTI_TURN_ARGS replaces the
+#             workload. Here, once:  bash scripts/fetch_device_wheels.sh
+#                                    mkdir -p .baseline && git archive 891e5c4 nanovllm | tar -x -C .baseline \
+#                                      && echo /.baseline/ >> .git/info/exclude   (891e5c4: before token-granular reuse)
+#             Device:  STAGES=multiturn BASELINE=.baseline bash scripts/gpu_check.sh   (carry: [".whl", ".baseline"])
 #   tp        the tensor-parallel GPU tests (two GPUs)
 #   bench8btp Qwen3-8B over two GPUs (python bench.py -tp 2)
-#   fp8       the FP8 kernel tests and GPU tests, then full-size FP8 kernel checks and timings (scripts/fp8_kernels.py)
+#   fp8       the FP8 kernel tests and GPU tests, then full-size FP8 kernel checks and timings (scripts/gpu_kernels.py fp8)
 #   bench8bfp8  Qwen3-8B with block-FP8 weights (bench.py --quantization fp8), workload and single request
 #   benchkvfp8  Qwen3-0.6B with the FP8 KV cache (bench.py --kv-cache-dtype fp8)
-#   moe       the MoE kernel tests and GPU tests, then scripts/bench_moe.py (fused MoE vs a torch per-expert
-#             loop over Qwen3-30B-A3B layers, bandwidth at decode sizes); moesweep: its tile sweep
+#   moe       the MoE kernel tests and GPU tests, then scripts/gpu_kernels.py moe (fused MoE vs a torch per-expert
+#             loop over Qwen3-30B-A3B layers, bandwidth at decode sizes); moesweep: its tile sweep (MOE_TOKENS)
 #   benchmoe / singlemoe / profilemoe  bench.py on Qwen3-30B-A3B (throughput, one request, --profile)
 set -o pipefail
 OUTDIR=${1:-${OUT:-/tmp/nanovllm-gpu}}
@@ -32,9 +40,13 @@ run() {  # run NAME CMD...: log to $OUTDIR/NAME.log, remember failures, keep goi
   "$@" 2>&1 | tee "$OUTDIR/$name.log" || { echo "=== $name FAILED"; status=1; }
 }
 
-serving() {
+server_packages() {  # the server's wheels (scripts/fetch_device_wheels.sh, carried as .whl) into /tmp/site
   rm -rf /tmp/site
-  python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl || return 1
+  python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl
+}
+
+serving() {
+  server_packages || return 1
   local model port=8000
   model=$(mktemp -d)
   cp benchmarks/configs/qwen3-0.6b.json "$model/config.json"  # random bf16 weights, no tokenizer
@@ -53,24 +65,62 @@ serving() {
   kill -TERM $server; wait $server
 }
 
+multiturn() {
+  server_packages || return 1
+  local root=$PWD model
+  model=$(mktemp -d)
+  cp benchmarks/configs/qwen3-0.6b.json "$model/config.json"  # random bf16 weights, no tokenizer: answers come back as ids
+  local args=${MULTI_TURN_ARGS:-"--num-prompts 64 --turns 4:8 --system-len 1000 --input-len 64:256 --output-len 64:256 --vocab-size 10000"}
+  multiturn_arm off "$root" --no-enable-prefix-caching
+  [ -n "${BASELINE:-}" ] && multiturn_arm baseline "$(cd "$BASELINE" && pwd)"
+  multiturn_arm token "$root"
+  python3 - "$OUTDIR" <<'EOF'
+import json, os, sys
+rows = []
+for name in ("off", "baseline", "token"):
+    path = os.path.join(sys.argv[1], f"multi_turn_{name}.json")
+    if os.path.exists(path):
+        rows.append((name, json.load(open(path))))
+off = dict(rows).get("off")
+print(f"{'arm':<10}{'hit rate':>10}{'ideal':>8}{'TTFT p50 ms':>13}{'p99 ms':>10}{'p50 vs off':>12}")
+for name, s in rows:
+    ratio = off["ttft_ms"]["p50"] / s["ttft_ms"]["p50"] if off else float("nan")
+    print(f"{name:<10}{s['hit_rate']:>10.2%}{s['ideal_hit_rate']:>8.2%}{s['ttft_ms']['p50']:>13.1f}"
+          f"{s['ttft_ms']['p99']:>10.1f}{ratio:>11.2f}x")
+EOF
+}
+
+multiturn_arm() {  # multiturn_arm NAME ENGINE_DIR SERVER_ARGS...: a server from ENGINE_DIR's nanovllm, the benchmark, the server stopped
+  local name=$1 dir=$2; shift 2
+  (cd "$dir" && PYTHONPATH=/tmp/site exec python3 -m nanovllm serve "$model" --load-format dummy --port 8000 \
+     --max-model-len 8192 "$@") > "$OUTDIR/multi_turn_server_$name.log" 2>&1 &
+  local server=$!
+  for _ in $(seq 300); do curl -sf http://127.0.0.1:8000/health > /dev/null && break; sleep 1; done
+  echo "=== $name ($dir $*)"
+  PYTHONPATH=/tmp/site python3 bench_serving.py --base-url http://127.0.0.1:8000 --multi-turn $args \
+    --json-out "$OUTDIR/multi_turn_$name.json" || status=1
+  kill -TERM $server; wait $server
+}
+
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__)"
 for stage in $STAGES; do
   case $stage in
     tests)     run tests python3 -m pytest tests/kernels tests/layers tests/gpu -q -p no:cacheprovider --durations=8 ;;
-    kernels)   run kernels python3 scripts/gpu_kernels.py ${KERNEL_ARGS:-} ;;
+    kernels)   run kernels python3 scripts/gpu_kernels.py attention ${KERNEL_ARGS:-} ;;
     bench)     run bench python3 bench.py --json "$OUTDIR/bench_qwen3_0.6b.json" ;;
     single)    run single python3 bench.py --single --json "$OUTDIR/bench_single.json" ;;
     bench8b)   run bench8b python3 bench.py --config benchmarks/configs/qwen3-8b.json --json "$OUTDIR/bench_qwen3_8b.json" ;;
     eager)     run eager python3 bench.py --enforce-eager --json "$OUTDIR/bench_qwen3_0.6b_eager.json" ;;
     profile)   run profile python3 bench.py --profile ;;
     serving)   serving || status=1 ;;
+    multiturn) multiturn || status=1 ;;
     tp)        run tp python3 -m pytest tests/gpu/test_tensor_parallel_gpu.py -q -p no:cacheprovider --durations=8 ;;
     bench8btp) run bench8btp python3 bench.py --config benchmarks/configs/qwen3-8b.json -tp 2 --json "$OUTDIR/bench_qwen3_8b_tp2.json" ;;
     fp8)
       run fp8_tests python3 -m pytest tests/kernels/test_fp8_gemm.py tests/kernels/test_fp8_quant.py \
         tests/kernels/test_fp8_kv_cache.py tests/gpu/test_fp8_gpu.py -q -p no:cacheprovider --durations=5
-      run fp8_kernels python3 scripts/fp8_kernels.py ;;
+      run fp8_kernels python3 scripts/gpu_kernels.py fp8 ;;
     bench8bfp8)
       run bench8b_fp8 python3 bench.py --config benchmarks/configs/qwen3-8b.json --quantization fp8 --json "$OUTDIR/bench_qwen3_8b_fp8.json"
       run single8b_fp8 python3 bench.py --config benchmarks/configs/qwen3-8b.json --quantization fp8 --single --json "$OUTDIR/single_qwen3_8b_fp8.json"
@@ -78,8 +128,8 @@ for stage in $STAGES; do
     benchkvfp8) run bench_kvfp8 python3 bench.py --kv-cache-dtype fp8 --json "$OUTDIR/bench_qwen3_0.6b_kvfp8.json" ;;
     moe)
       run moe_tests python3 -m pytest tests/kernels/test_moe.py tests/gpu/test_moe_gpu.py -q -p no:cacheprovider --durations=8
-      run moe_kernels python3 scripts/bench_moe.py ;;
-    moesweep)  run moesweep python3 scripts/bench_moe.py --sweep --tokens ${MOE_TOKENS:-16,256} ;;
+      run moe_kernels python3 scripts/gpu_kernels.py moe ;;
+    moesweep)  run moesweep python3 scripts/gpu_kernels.py moe --sweep --tokens ${MOE_TOKENS:-16,256} ;;
     benchmoe)  run benchmoe python3 bench.py --config benchmarks/configs/qwen3-30b-a3b.json --json "$OUTDIR/bench_qwen3_30b_a3b.json" ;;
     singlemoe) run singlemoe python3 bench.py --config benchmarks/configs/qwen3-30b-a3b.json --single --json "$OUTDIR/bench_qwen3_30b_a3b_single.json" ;;
     profilemoe) run profilemoe python3 bench.py --config benchmarks/configs/qwen3-30b-a3b.json --profile ;;

@@ -1,12 +1,12 @@
-"""scripts/tune_gemm.py's variants (the sweep itself needs a GPU): the engine's table entry
-comes first, and every variant is a tile the kernels accept for that projection."""
+"""`scripts/tune.py gemm`'s variants (benchmarks/tuning/gemm.py; the sweep itself needs a GPU): the
+engine's table entry comes first, and every variant is a tile the kernels accept for that projection."""
 import os
 import sys
 
 import pytest
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "scripts"))
-import tune_gemm as sweep  # noqa: E402
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+from benchmarks.tuning import gemm as sweep  # noqa: E402
 
 
 @pytest.mark.parametrize("name", sorted(sweep.SHAPES))

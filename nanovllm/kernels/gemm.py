@@ -161,7 +161,7 @@ def partial_linear(x: torch.Tensor, weight: torch.Tensor, config: GemmConfig) ->
 def splitk_config(m: int, n: int, k: int) -> GemmConfig | None:
     """The split-K configuration for an [m, k] x [k, n] product, or None when split-K does not pay
     (m past _MAX_SPLITK_M, n past _MAX_SPLITK_N, or a k that does not divide into slices). A fixed
-    table (from scripts/tune_gemm.py on the H200, o_proj/down_proj
+    table (from scripts/tune.py gemm on the H200, o_proj/down_proj
     of Qwen3-0.6B behind the kernels that precede them, where 4 slices of BK=128 won at every batch size
     up to 256); host-only, so CUDA-graph capture never benchmarks."""
     if m > _MAX_SPLITK_M or m == 0 or n > _MAX_SPLITK_N:
@@ -169,7 +169,7 @@ def splitk_config(m: int, n: int, k: int) -> GemmConfig | None:
     splits, bk = 4, 128
     if k % (splits * bk):
         return None
-    # Pipeline depths from scripts/tune_gemm.py, weights in HBM as in a model (the tiles were
+    # Pipeline depths from scripts/tune.py gemm, weights in HBM as in a model (the tiles were
     # first tuned with L2-resident weights, which hide the latency that deeper pipelines cover). Net us,
     # o / down, old table -> this one: 32 rows 6.0 / 8.2 -> 5.1 / 6.4, 64 rows 5.0 / 6.5 -> 4.5 / 5.5,
     # 128 rows 5.8 / 7.0 -> 5.5 / 6.5, 256 rows 6.9 / 8.2 -> 6.6 / 7.5.
@@ -197,7 +197,7 @@ def dense_config(m: int, n: int, k: int, gated: bool = False) -> GemmConfig | No
     does better. From 17 rows on: 64-row tiles (one warpgroup's wgmma), 4 stages."""
     if m > (_MAX_GATED_M if gated else MAX_DENSE_M) or m == 0 or k % 128:
         return None
-    if m <= 16:  # 4 stages: gated 16 rows 6.5 us against 6.9 with 3 (weights in HBM, tune_gemm.py)
+    if m <= 16:  # 4 stages: gated 16 rows 6.5 us against 6.9 with 3 (weights in HBM, tune.py gemm)
         return GemmConfig(1, 16, 32, 128, 4, 4 if gated else 3)
     if k > MAX_DENSE_K:
         return None

@@ -38,7 +38,7 @@ class MoeTile(NamedTuple):
     num_stages: int = 3
     # Weight tiles through a TMA tensor descriptor (Hopper) instead of pointer loads: 10-25% faster for
     # the dense decode GEMMs (gemm.py); for these, where the activation rows are gathered by pointer
-    # beside them, not yet measured (scripts/bench_moe.py --sweep times both), so off in the table.
+    # beside them, not yet measured (scripts/gpu_kernels.py moe --sweep times both), so off in the table.
     tma: bool = False
 
 

@@ -225,7 +225,7 @@ def _decode_config(head_dim: int, group: int):
     if block_d <= 128:
         # Block ids one tile ahead: the pipeliner then keeps two K/V tiles in flight instead of one
         # (read off the compiled kernel's IR); measured on the H200 at 96-102% of copy bandwidth from 96
-        # sequences up, and 3-25% faster than without below that (scripts/tune_decode.py --buckets).
+        # sequences up, and 3-25% faster than without below that (scripts/tune.py decode --buckets).
         return block_g, 64, 4, 3, True
     return block_g, 32, 4, 2, False
 

@@ -227,9 +227,9 @@ def _prefill_config(head_dim: int, group: int, max_query_len: int, kv_desc: bool
         block_m, num_warps = 64, 4
     elif rows <= 256 or triton.next_power_of_2(head_dim) > 128 or kv_desc:
         # 2 warpgroups x m64 wgmma on Hopper; 4 warps would need ~250 regs/thread. With K/V through
-        # TMA, as fast as or faster than 256-row tiles at every shape scripts/tune_prefill.py runs.
+        # TMA, as fast as or faster than 256-row tiles at every shape `scripts/tune.py prefill` runs.
         block_m, num_warps = 128, 8
-    else:  # long prompts, K/V by pointers: 4 warpgroups, 13-21% faster than 128 rows (scripts/tune_prefill.py)
+    else:  # long prompts, K/V by pointers: 4 warpgroups, 13-21% faster than 128 rows (scripts/tune.py prefill)
         block_m, num_warps = 256, 16
     block_m = max(block_m, triton.next_power_of_2(group))
     if block_d <= 128:
@@ -240,7 +240,7 @@ def _prefill_config(head_dim: int, group: int, max_query_len: int, kv_desc: bool
 
 
 # K/V tiles through TMA descriptors where they apply, for tiles of at least this many rows. Measured on
-# the H200 (scripts/tune_prefill.py, Qwen3-0.6B heads, us, pointer loads with the old table's tiles ->
+# the H200 (scripts/tune.py prefill, Qwen3-0.6B heads, us, pointer loads with the old table's tiles ->
 # TMA with (128, 64, 8 warps, 3 stages)): the benchmark's first prefill (27 prompts, 16k tokens) 240.9
 # -> 215.8, 8 x 2048 429.8 -> 368.0, 1 x 8192 717.9 -> 574.6 (478 TFLOP/s), 4 x 512-token chunks on
 # 3584-token prefixes 197.8 -> 144.1. With 64-row tiles (4 warps) TMA was slower (251.0 -> 287.5).

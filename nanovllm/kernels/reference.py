@@ -124,7 +124,10 @@ def per_token_group_quant_fp8(x: torch.Tensor, group: int = 128, eps: float = 1e
     m, k = x.shape
     groups = -(-k // group)
     xg = F.pad(x.float(), (0, groups * group - k)).view(m, groups, group)
-    scale = xg.abs().amax(-1).clamp_min(eps) / FP8_MAX
+    amax = xg.abs().amax(-1).clamp_min(eps)
+    # Divided by a tensor: torch on CUDA multiplies by the reciprocal of a Python-number divisor (not
+    # the correctly rounded quotient the kernels compute).
+    scale = amax / torch.full_like(amax, FP8_MAX)
     q = (xg / scale[..., None]).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
     return q.view(m, groups * group)[:, :k], scale
 

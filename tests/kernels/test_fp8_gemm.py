@@ -36,8 +36,14 @@ def _reference(xq: QuantizedActivation, w, ws):
     return ref.w8a8_block_matmul(q, s, w, ws, torch.float32)
 
 
+# The fp32 partial sums: exact sums of exact products under the interpreter; on the GPU the FP8 tensor
+# cores add a K block's 128 products keeping only ~14 mantissa bits (why block FP8 rescales in fp32
+# after every block), so there they are checked at that precision.
+PARTIALS = torch.float32 if not ON_GPU else "fp8 tensor cores"
+
+
 def _close_to_reference(got, expect, dtype):
-    tol = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2}[dtype]
+    tol = {torch.float32: 1e-5, "fp8 tensor cores": 1e-3, torch.float16: 2e-3, torch.bfloat16: 1e-2}[dtype]
     torch.testing.assert_close(got.float(), expect, rtol=tol, atol=tol * expect.abs().max().item())
 
 
@@ -63,7 +69,7 @@ def test_partials_sum_to_the_product(m, k, n, splits, dtype, device, gen):
     _, xq = _activation(m, k, dtype, gen, device)
     out = fp8_partial_linear(xq, w, ws, Fp8GemmConfig(splits, 16, 32, 4, 2))
     assert isinstance(out, SplitKOutput) and out.parts.shape == (splits, m, n) and out.dtype == dtype
-    _close_to_reference(out.parts.sum(0), _reference(xq, w, ws), torch.float32)
+    _close_to_reference(out.parts.sum(0), _reference(xq, w, ws), PARTIALS)
 
 
 @pytest.mark.parametrize("dtype", DTYPES[:1])
@@ -102,7 +108,7 @@ def test_the_tables_tiles(m, device, gen):
     splitk = fp8_splitk_config(m, k)
     assert (splitk is None) == (m > 128)
     if splitk is not None:
-        _close_to_reference(fp8_partial_linear(xq, w, ws, splitk).parts.sum(0), expect, torch.float32)
+        _close_to_reference(fp8_partial_linear(xq, w, ws, splitk).parts.sum(0), expect, PARTIALS)
     gated = fp8_gated_linear(xq, w, ws, fp8_gated_config(m), quantize_output=True)
     assert gated.shape == (m, n // 2)
 

@@ -1,6 +1,6 @@
 """Sweep the paged-prefill kernel's tile configuration on the benchmark's prefill batches.
 
-    python scripts/tune_prefill.py     (GPU)
+    python scripts/tune.py prefill     (GPU)
 
 First the batch bench.py's first prefill step holds: whole prompts of randint(100, 1024) tokens
 (random.seed(0), as nano-vllm's workload) packed up to 16,384 tokens; then 8 x 2048, 1 x 8192 and
@@ -10,16 +10,14 @@ descriptors. Each configuration's output is checked against the default's; TFLOP
 part of QK^T and PV. For comparison, torch's `varlen_attn` (FlashAttention, contiguous K/V, no cache)
 on the first batch, where this torch has it.
 """
-import os
+import argparse
 import random
-import sys
 
 import torch
 import triton.testing
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-from nanovllm.kernels import reference as ref  # noqa: E402
-from nanovllm.kernels.paged_prefill import _prefill_config, paged_prefill_attention  # noqa: E402
+from nanovllm.kernels import reference as ref
+from nanovllm.kernels.paged_prefill import _prefill_config, paged_prefill_attention
 
 HQ, HKV, D, PAGE, BUDGET = 16, 8, 128, 256, 16384
 # (BLOCK_M, BLOCK_N, warps, stages), K/V through TMA descriptors or pointer loads
@@ -61,7 +59,8 @@ def sweep(name, q_lens, seq_lens, configs):
     return q, k_cache, v_cache, cu, tables, expect
 
 
-def main():
+def main(argv=None, prog=None):
+    argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0]).parse_args(argv)  # no options: --help
     random.seed(0)
     lens = [random.randint(100, 1024) for _ in range(256)]
     batch, total = [], 0
@@ -98,7 +97,3 @@ def main():
             print(f"  varlen_attn ({name}): {ms * 1e3:7.1f} us  {flops / ms / 1e9:6.1f} TFLOP/s  max|diff| {err:.3g}")
         except Exception as e:  # noqa: BLE001
             print(f"  varlen_attn ({name}): {type(e).__name__} {str(e)[:200]}")
-
-
-if __name__ == "__main__":
-    main()

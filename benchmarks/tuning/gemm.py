@@ -7,7 +7,7 @@ entry is timed at other depths (num_stages) and tile depths (BK); split-K also a
 twice the slices, gate_up and qkv at other row (and column) tiles. Each call runs behind the kernel
 that precedes it in a layer (programmatic dependent launch), whose own time is subtracted ("net").
 
-    python scripts/tune_gemm.py [--m 1,16,32,64,128,192,256] [--only o,down,gate_up,qkv] [--jobs 14]
+    python scripts/tune.py gemm [--m 1,16,32,64,128,192,256] [--only o,down,gate_up,qkv] [--jobs 14]
 
 cuBLAS: the projection with the op our kernel fuses (SiLU-and-mul, the residual-add RMSNorm);
 cuBLAS* (qkv): the projection alone, without the rotary kernel. table: the engine's entry (nan where
@@ -16,18 +16,15 @@ cuBLAS runs). The variants are compiled first in --jobs processes (Triton's cach
 import argparse
 import concurrent.futures as futures
 import multiprocessing
-import os
-import sys
 
 import torch
 import torch.nn.functional as F
 import triton.testing
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-from nanovllm.kernels.fused_ops import fused_add_rms_norm, silu_and_mul  # noqa: E402
-from nanovllm.kernels.gemm import (GemmConfig, dense_config, gated_linear, partial_linear,  # noqa: E402
+from nanovllm.kernels.fused_ops import fused_add_rms_norm, silu_and_mul
+from nanovllm.kernels.gemm import (GemmConfig, dense_config, gated_linear, partial_linear,
                                    splitk_config)
-from nanovllm.kernels.qkv_rope import qkv_rope_config, qkv_rope_store_kv  # noqa: E402
+from nanovllm.kernels.qkv_rope import qkv_rope_config, qkv_rope_store_kv
 
 COPIES = 8  # weight copies a timed call rotates over: more than L2 holds, as the layers of a model
 
@@ -136,13 +133,13 @@ def _compile(job):
         return f"{name} m={m} {tuple(cfg)}: {type(e).__name__} {str(e)[:60]}"
 
 
-def main():
-    ap = argparse.ArgumentParser()
+def main(argv=None, prog=None):
+    ap = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0])
     ap.add_argument("--m", default="1,16,32,64,128,192,256")
     ap.add_argument("--only", default="o,down,gate_up,qkv")
     ap.add_argument("--jobs", type=int, default=14, help="processes compiling the variants first (0: none)")
     ap.add_argument("--copies", type=int, default=COPIES, help="weight copies (1: weights stay in L2)")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     ms = [int(v) for v in args.m.split(",")]
     names = args.only.split(",")
     jobs = [(name, m, cfg) for m in ms for name in names for cfg in variants(name, m)]
@@ -175,7 +172,3 @@ def main():
             print(f"M={m:3d} {name:>7}: cuBLAS{'*' if name == 'qkv' else ''} {t_cublas:5.1f} | table {table[0]:5.1f} {tuple(table[1])} | best "
                   + ", ".join(f"{t:5.1f} {tuple(c)}" for t, c in best) + f" | weights at 4.3 TB/s {weights:4.1f} us (net us)",
                   flush=True)
-
-
-if __name__ == "__main__":
-    main()

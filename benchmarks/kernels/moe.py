@@ -1,7 +1,7 @@
 """The fused-MoE kernels of one Qwen3-30B-A3B layer (128 experts, 8 per token, hidden 2048, expert
 intermediate 768, bf16) against a plain torch per-expert loop, at decode and prefill token counts.
 
-    python scripts/bench_moe.py [--tokens 1,8,64,256,4096] [--tp 2] [--sweep [--block-m 16,32]]      (GPU)
+    python scripts/gpu_kernels.py moe [--tokens 1,8,64,256,4096] [--tp 2] [--sweep [--block-m 16,32]]      (GPU)
 
 Per token count T: the fused path (router GEMM, top-k, align, gate_up, down; one CUDA graph over
 COPIES layers' weights, so every call streams its experts from HBM as in a model) and its stages
@@ -14,19 +14,15 @@ the best per GEMM printed as a `moe_gemm._TABLE` candidate.
 """
 import argparse
 import itertools
-import os
-import sys
 
 import torch
 import torch.nn.functional as F
 import triton
 import triton.testing
 
-ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
-sys.path.insert(0, ROOT)
-from bench import measure_device  # noqa: E402
-from nanovllm.kernels.moe_gemm import MoeTile, moe_config, moe_down, moe_gate_up, parts_dtype  # noqa: E402
-from nanovllm.kernels.moe_routing import route  # noqa: E402
+from bench import measure_device
+from nanovllm.kernels.moe_gemm import MoeTile, moe_config, moe_down, moe_gate_up, parts_dtype
+from nanovllm.kernels.moe_routing import route
 
 E, TOP_K, HIDDEN, INTER = 128, 8, 2048, 768
 COPIES = 4  # layers' weights the timed graph rotates over (4 x 1.2 GB: far past L2)
@@ -83,13 +79,13 @@ def tile_variants(base: MoeTile, gated: bool, block_m: int):
     return list(dict.fromkeys(out))
 
 
-def main():
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def main(argv=None, prog=None):
+    ap = argparse.ArgumentParser(prog=prog, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--tokens", default="1,4,16,64,128,256,512,2048,16384")
     ap.add_argument("--tp", type=int, default=1, help="the expert intermediate size of one of this many ranks")
     ap.add_argument("--sweep", action="store_true", help="tile variants at each of --tokens (~1-2 min per count)")
     ap.add_argument("--block-m", default="", help="with --sweep: row blocks to try beside the table's, e.g. 16,32,64")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     dev, dt = torch.device("cuda"), torch.bfloat16
     inter = INTER // args.tp
     bandwidth, _ = measure_device(dev)
@@ -155,7 +151,3 @@ def sweep(t, xs, layers, logits, inter, config, parts, block_ms):
     if results:
         total, block_m, gate_up, down = min(results, key=lambda r: r[0])
         print(f"  T={t}: best {total:.1f} us: MoeConfig({block_m}, {gate_up}, {down})", flush=True)
-
-
-if __name__ == "__main__":
-    main()

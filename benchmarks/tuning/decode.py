@@ -1,9 +1,9 @@
 """Sweep the paged-decode kernel's tile configuration on ragged batches like the benchmark's.
 
-    python scripts/tune_decode.py            (on the GPU machine)
-    python scripts/tune_decode.py --buckets  (default config only, batch sizes 8-256: efficiency per
+    python scripts/tune.py decode            (on the GPU machine)
+    python scripts/tune.py decode --buckets  (default config only, batch sizes 8-256: efficiency per
                                               batch size, the engine's split count against others)
-    python scripts/tune_decode.py --splits 8,16,24,32   (every split count 1-12 at these batch sizes, default config)
+    python scripts/tune.py decode --splits 8,16,24,32   (every split count 1-12 at these batch sizes, default config)
 
 For each batch (context lengths drawn like the nano-vllm workload at several points of its run)
 it times every (BLOCK_N, num_warps, num_stages) with and without longest-first dispatch and a few
@@ -12,16 +12,13 @@ reached as a fraction of the device copy bandwidth measured in the same run.
 """
 import argparse
 import itertools
-import os
 import random
-import sys
 
 import torch
 import triton.testing
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-from bench import measure_device  # noqa: E402
-from nanovllm.kernels.paged_decode import (_decode_config, alloc_decode_workspace, choose_num_splits,  # noqa: E402
+from bench import measure_device
+from nanovllm.kernels.paged_decode import (_decode_config, alloc_decode_workspace, choose_num_splits,
                                            paged_decode_attention)
 
 HQ, HKV, D, PAGE = 16, 8, 128, 256  # Qwen3-0.6B's attention, the default block size
@@ -103,13 +100,13 @@ def split_sweep(bw, k_cache, v_cache, ws, num_blocks, batches):
               + " ".join(f"{s}:{t:.1f}" for s, t in times.items()), flush=True)
 
 
-def main():
-    ap = argparse.ArgumentParser()
+def main(argv=None, prog=None):
+    ap = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0])
     ap.add_argument("--buckets", action="store_true", help="a few configs at batch sizes 8-256 only")
     ap.add_argument("--configs", default="64,4,3,1 64,4,3,0 64,4,4,1",
                     help="with --buckets: BLOCK_N,warps,stages,prefetch_blocks (0/1); the first is the default")
     ap.add_argument("--splits", help="comma-separated batch sizes: every split count 1-12 at each")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     torch.manual_seed(0)
     random.seed(0)
     bw = measure_device(torch.device("cuda"))[0]
@@ -159,7 +156,3 @@ def main():
         for ms, cfg, use_order, splits in results[:8]:
             print(f"  {ms * 1e3:7.1f} us  {kv_bytes / (ms * 1e-3) / bw:6.1%}  BLOCK_N={cfg[1]:3d} warps={cfg[2]} "
                   f"stages={cfg[3]} prefetch_blocks={cfg[4]} longest_first={use_order} splits={splits}")
-
-
-if __name__ == "__main__":
-    main()

@@ -1,8 +1,7 @@
-#!/usr/bin/env python
 """GPU check of the FP8 kernels at full size: correctness against the torch reference, then timings.
 
-    python scripts/fp8_kernels.py            # ~1-2 minutes on an H200
-    python scripts/fp8_kernels.py --quick    # correctness only
+    python scripts/gpu_kernels.py fp8            # ~1-2 minutes on an H200
+    python scripts/gpu_kernels.py fp8 --quick    # correctness only
 
 GEMMs: Qwen3-8B's projections (and Qwen3-0.6B's) at decode and prefill row counts, our Triton W8A8
 kernel (the form the engine runs: dense qkv, gated gate_up writing block-FP8, split-K o/down) against
@@ -12,7 +11,6 @@ Attention: decode over an FP8 against a bf16 cache. Quantization: the fused RMSN
 the plain RMSNorm. A failing case prints FAIL and the script goes on; exit 1 if any check failed.
 """
 import argparse
-import os
 import sys
 import traceback
 
@@ -21,15 +19,14 @@ import torch.nn.functional as F
 import triton
 from triton.testing import do_bench, do_bench_cudagraph
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from nanovllm.kernels import paged_decode_attention  # noqa: E402
-from nanovllm.kernels import reference as ref  # noqa: E402
-from nanovllm.kernels.fp8_gemm import (MAX_TRITON_M, fp8_dense_config, fp8_gated_config, fp8_gated_linear,  # noqa: E402
+from nanovllm.kernels import paged_decode_attention
+from nanovllm.kernels import reference as ref
+from nanovllm.kernels.fp8_gemm import (MAX_TRITON_M, fp8_dense_config, fp8_gated_config, fp8_gated_linear,
                                        fp8_linear, fp8_partial_linear, fp8_splitk_config, library_available,
                                        library_scaled_mm)
-from nanovllm.kernels.fp8_quant import fused_add_rms_norm_quant, per_token_group_quant, silu_and_mul_quant  # noqa: E402
-from nanovllm.kernels.fused_ops import fused_add_rms_norm  # noqa: E402
-from nanovllm.layers.quantization.fp8 import quantize_weight_blocks  # noqa: E402
+from nanovllm.kernels.fp8_quant import fused_add_rms_norm_quant, per_token_group_quant, silu_and_mul_quant
+from nanovllm.kernels.fused_ops import fused_add_rms_norm
+from nanovllm.layers.quantization.fp8 import quantize_weight_blocks
 
 DEV = torch.device("cuda")
 FAILS = []
@@ -87,7 +84,7 @@ def correctness(shapes):
             if name in ("o", "down") and fp8_splitk_config(m, k) is not None:
                 def splitk(m=m, xq=xq, want=want):
                     err = _rel_err(fp8_partial_linear(xq, w, s, fp8_splitk_config(m, k)).parts.sum(0), want)
-                    assert err < 1e-4, err
+                    assert err < 1e-3, err  # FP8 tensor cores add a block's products at ~14 bits
                     return f"rel err {err:.1e}"
                 check(f"{name} M={m} split-K", splitk)
             if name == "gate_up":
@@ -177,10 +174,10 @@ def quant_timings():
         print(f"  M={m:5d}: plain {t0:6.1f} | + quant {t1:6.1f}")
 
 
-def main():
-    ap = argparse.ArgumentParser()
+def main(argv=None, prog=None):
+    ap = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     print(f"torch {torch.__version__}, triton {triton.__version__}, {torch.cuda.get_device_name()}; "
           f"block-scaled torch._scaled_mm: {'available' if library_available(DEV) else 'NOT available'}")
     correctness(SHAPES_8B)
@@ -191,7 +188,3 @@ def main():
         quant_timings()
     print(f"\n{len(FAILS)} failed: {FAILS}" if FAILS else "\nall checks passed")
     sys.exit(1 if FAILS else 0)
-
-
-if __name__ == "__main__":
-    main()

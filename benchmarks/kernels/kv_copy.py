@@ -5,23 +5,21 @@ tokens, every layer, in one kernel launch (kernels/copy_kv.py). This times that 
 of the worst case (a block less one token each) against the step it precedes: a prefill of
 --tokens tokens, over one sequence and over C sequences (each request with its own copy).
 
-  python scripts/bench_kv_copy.py [--tokens 16384] [--copies 1,16,64]
+  python scripts/gpu_kernels.py kvcopy [--tokens 16384] [--copies 1,16,64]
 """
 import argparse
 import json
 import os
 import shutil
-import sys
 import tempfile
 
 import numpy as np
 import torch
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
-from nanovllm import LLM, SamplingParams  # noqa: E402
-from nanovllm.engine.scheduler import ScheduledBatch  # noqa: E402
-from nanovllm.engine.sequence import Sequence  # noqa: E402
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository
+from nanovllm import LLM, SamplingParams
+from nanovllm.engine.scheduler import ScheduledBatch
+from nanovllm.engine.sequence import Sequence
 
 
 def device_ms(fn, reps: int) -> float:
@@ -48,12 +46,12 @@ def prefill_step(runner, num_tokens: int, num_seqs: int):
     return lambda: runner.execute(batch)
 
 
-def main():
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def main(argv=None, prog=None):
+    p = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0])
     p.add_argument("--tokens", type=int, default=16384, help="tokens of the prefill step")
     p.add_argument("--copies", default="1,16,64", help="copies per launch (comma-separated)")
     p.add_argument("--config", default=os.path.join(ROOT, "benchmarks", "configs", "qwen3-0.6b.json"))
-    args = p.parse_args()
+    args = p.parse_args(argv)
     model = tempfile.mkdtemp(prefix="nanovllm-kvcopy-")
     shutil.copy(args.config, os.path.join(model, "config.json"))
     llm = LLM(model, load_format="dummy", max_model_len=args.tokens + 256, max_num_batched_tokens=args.tokens)
@@ -79,7 +77,3 @@ def main():
     print(json.dumps(results))
     llm.shutdown()
     shutil.rmtree(model, ignore_errors=True)
-
-
-if __name__ == "__main__":
-    main()
