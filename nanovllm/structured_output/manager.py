@@ -6,8 +6,9 @@ same way whether or not any request is constrained (each call returns at once wh
 - `needs_masks(seqs)`: whether a step's sampling must wait for masks (see `LLMEngine.step`).
 - `advance(seqs, tokens)`: feed each sequence the token the step drew (xgrammar's batched accept).
 - `fill_masks(seqs, rows, masks)`: the next token's bitmasks, only for the rows that need one, into
-  the runner's pinned buffer (xgrammar's batched, multi-threaded fill); rows[i] says which mask row i
-  uses, -1 for none.
+  the runner's pinned buffer (xgrammar's batched fill); rows[i] says which mask row i uses, -1 for
+  none.
+Both run on threads kept for the engine's life (`threads.py`) once a batch is large enough.
 
 With a reasoning parser, a sequence's grammar waits until the thinking is over (`Phase`): rows that
 are still thinking get no mask, and the first token of an output that may or may not think is drawn
@@ -54,7 +55,8 @@ def _bits(ids, words: int) -> np.ndarray:
 
 
 class StructuredOutputs:
-    def __init__(self, tokenizer, vocab_size: int, eos_token_ids, reasoning_parser_name: str | None = None):
+    def __init__(self, tokenizer, vocab_size: int, eos_token_ids, reasoning_parser_name: str | None = None,
+                 num_threads: int | None = None):
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.words = -(-vocab_size // 32)
@@ -63,7 +65,9 @@ class StructuredOutputs:
         self.reasoning = reasoning_parser(reasoning_parser_name, tokenizer) if reasoning_parser_name else None
         self.num_live = 0  # sequences holding a grammar: none, and every call returns at once
         self._compiler = None
-        self._batch = None
+        self._num_threads = num_threads  # None: threads.default_num_threads()
+        self._threads = None
+        self._narrow = None  # the grammar's masks, where they are narrower than the runner's (see _fill)
         self._stop_row = _bits(self.stop_token_ids, self.words)
 
     @property
@@ -74,6 +78,13 @@ class StructuredOutputs:
             from nanovllm.structured_output.compiler import GrammarCompiler
             self._compiler = GrammarCompiler(self.tokenizer, self.vocab_size, self.stop_token_ids)
         return self._compiler
+
+    @property
+    def threads(self):
+        if self._threads is None:
+            from nanovllm.structured_output.threads import GrammarThreads
+            self._threads = GrammarThreads(self._num_threads)
+        return self._threads
 
     # ---- requests ---------------------------------------------------------------------------
     def check(self, params) -> None:
@@ -133,8 +144,7 @@ class StructuredOutputs:
                 owners.append(seq)
         if not matchers:
             return []
-        import xgrammar as xgr
-        results = xgr.BatchGrammarMatcher.batch_accept_token(matchers, accepted_tokens)
+        results = self.threads.accept(matchers, accepted_tokens)
         rejected = []
         stops = self.stop_token_ids
         for ok, g, token, seq in zip(results, states, accepted_tokens, owners):
@@ -152,15 +162,14 @@ class StructuredOutputs:
         rows[:len(seqs)] = -1
         if not self.num_live:
             return 0
-        bits = masks.numpy().view(np.uint32)
-        num, fill_matchers, fill_rows, adjust = 0, [], [], []
+        num, fill_matchers, fill_rows, terminated, adjust = 0, [], [], [], []
         for i, seq in enumerate(seqs):
             g = seq.grammar
             if g is None or g.phase == Phase.REASONING or seq.is_finished:
                 continue
             rows[i] = num
             if g.phase == Phase.TERMINATED:
-                bits[num] = self._stop_row
+                terminated.append(num)
             else:
                 fill_matchers.append(g.matcher)
                 fill_rows.append(num)
@@ -168,11 +177,11 @@ class StructuredOutputs:
             if g.phase == Phase.UNDECIDED or seq.num_completion_tokens - seq.num_pending_tokens < sp.min_tokens:
                 adjust.append((num, g, seq))
             num += 1
+        bits = masks.numpy().view(np.uint32)
         if fill_matchers:
-            if self._batch is None:
-                import xgrammar as xgr
-                self._batch = xgr.BatchGrammarMatcher()
-            self._batch.batch_fill_next_token_bitmask(fill_matchers, masks, fill_rows)
+            self._fill(fill_matchers, fill_rows, masks, bits, num)
+        if terminated:
+            bits[terminated] = self._stop_row
         for k, g, seq in adjust:
             row = bits[k]
             if g.phase == Phase.UNDECIDED:
@@ -184,3 +193,21 @@ class StructuredOutputs:
                 if kept.any():
                     row[:] = kept
         return num
+
+    def _fill(self, matchers, fill_rows, masks, bits, num):
+        """xgrammar's masks of matchers into masks[fill_rows]. Where the grammar's vocabulary (the
+        tokenizer's) is narrower than the model's, xgrammar fills masks of its own width, copied
+        into the first words of the rows here; the bits beyond it (its last word's high bits
+        included, which xgrammar leaves set) are cleared: never allowed."""
+        words = self.compiler.words
+        if words == self.words:
+            self.threads.fill(matchers, masks, fill_rows)
+            return
+        if self._narrow is None or self._narrow.shape[0] < num:
+            import torch
+            self._narrow = torch.zeros(masks.shape[0], words, dtype=torch.int32)
+        self.threads.fill(matchers, self._narrow, fill_rows)
+        bits[:num, :words] = self._narrow.numpy().view(np.uint32)[:num]
+        bits[:num, words:] = 0
+        if self.compiler.vocab_size % 32:
+            bits[:num, words - 1] &= np.uint32((1 << self.compiler.vocab_size % 32) - 1)

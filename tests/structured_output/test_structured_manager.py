@@ -61,9 +61,11 @@ def test_masks_only_for_constrained_rows_and_equal_to_xgrammars(tokenizer):
     assert m.num_live == 2 and m.needs_masks([free, constrained]) and not m.needs_masks([free])
     rows, allowed = _fill(m, [free, constrained, done])
     assert rows.tolist() == [-1, 0, -1] and allowed.shape[0] == 1
-    reference = xgr.allocate_token_bitmask(1, VOCAB)
+    tokens = m.compiler.vocab_size  # xgrammar's vocabulary: the tokenizer's, the model's rows beyond never allowed
+    assert tokens == len(tokenizer) < VOCAB
+    reference = xgr.allocate_token_bitmask(1, tokens)
     xgr.GrammarMatcher(m.compiler.compile(choice)).fill_next_token_bitmask(reference)
-    assert torch.equal(allowed[0], unpack_bitmask(reference, VOCAB)[0])
+    assert torch.equal(allowed[0][:tokens], unpack_bitmask(reference, tokens)[0]) and not allowed[0][tokens:].any()
     assert all("Paris".startswith(t) or "Berlin".startswith(t) for t in _allowed_text(tokenizer, allowed[0]))
     m.release(constrained)
     m.release(done)
@@ -147,3 +149,28 @@ def test_no_tokenizer_is_a_clear_error():
     m.check(SamplingParams())  # unconstrained: fine
     with pytest.raises(ValueError, match="need the model's tokenizer"):
         m.check(SamplingParams(structured_outputs=StructuredOutputsParams(regex="a")))
+
+
+def test_fill_and_accept_on_threads_equal_one_thread(tokenizer):
+    """Batches large enough to be cut across threads: every row's mask and every accept as on one
+    thread, rows in any state (interleaved slices), the rows beyond the tokenizer never allowed."""
+    from nanovllm.structured_output.threads import MIN_ROWS_PER_THREAD
+    schema = StructuredOutputsParams(json={"type": "object", "properties": {"a": {"type": "string"}},
+                                           "required": ["a"]})
+    one, two = _manager(tokenizer), StructuredOutputs(tokenizer, VOCAB, {tokenizer.eos_token_id}, num_threads=2)
+    n = 2 * MIN_ROWS_PER_THREAD + 3
+    texts = [('{', '{"a": "x', '{"a": "xy"')[i % 3] for i in range(n)]  # three states
+    rows_masks = []
+    for m in (one, two):
+        seqs = [_seq(tokenizer, m, structured_outputs=schema) for _ in range(n)]
+        prefixes = [tokenizer.encode(t) for t in texts]
+        for step in range(max(map(len, prefixes))):  # batched accepts of unequal prefixes
+            live = [(s, p[step]) for s, p in zip(seqs, prefixes) if step < len(p)]
+            assert m.advance([s for s, _ in live], [t for _, t in live]) == []
+        rows_masks.append(_fill(m, seqs))
+    assert two.threads.num_threads == 2
+    (rows1, allowed1), (rows2, allowed2) = rows_masks
+    assert rows1.tolist() == rows2.tolist() == list(range(n))
+    assert torch.equal(allowed1, allowed2)
+    assert not allowed2[:, len(tokenizer):].any() and allowed2[:, :len(tokenizer)].any(dim=1).all()
+    assert all(not torch.equal(allowed2[i], allowed2[j]) for i, j in ((0, 1), (1, 2), (0, 2)))  # per-row masks
