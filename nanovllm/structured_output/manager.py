@@ -8,7 +8,7 @@ same way whether or not any request is constrained (each call returns at once wh
 - `fill_masks(seqs, rows, masks)`: the next token's bitmasks, only for the rows that need one, into
   the runner's pinned buffer (xgrammar's batched fill); rows[i] says which mask row i uses, -1 for
   none.
-Both run on threads kept for the engine's life (`threads.py`) once a batch is large enough.
+Both run in slices on threads kept for the engine's life (`threads.py`) once a batch is large enough.
 
 With a reasoning parser, a sequence's grammar waits until the thinking is over (`Phase`): rows that
 are still thinking get no mask, and the first token of an output that may or may not think is drawn
@@ -16,6 +16,7 @@ from the grammar's tokens plus the opening tag. A grammar that has accepted a st
 stop tokens (seen with ignore_eos or under min_tokens: the grammar wins); under min_tokens the stop
 tokens are taken out of a row's mask unless nothing else is left.
 """
+import threading
 from enum import IntEnum
 
 import numpy as np
@@ -67,6 +68,7 @@ class StructuredOutputs:
         self._compiler = None
         self._num_threads = num_threads  # None: threads.default_num_threads()
         self._threads = None
+        self._xgr_batch = threading.local()
         self._narrow = None  # the grammar's masks, where they are narrower than the runner's (see _fill)
         self._stop_row = _bits(self.stop_token_ids, self.words)
 
@@ -144,7 +146,9 @@ class StructuredOutputs:
                 owners.append(seq)
         if not matchers:
             return []
-        results = self.threads.accept(matchers, accepted_tokens)
+        accept = self._batch().batch_accept_token  # a static method: no state shared by the threads
+        results = [ok for part in self.threads.map(lambda lo, hi: accept(matchers[lo:hi], accepted_tokens[lo:hi]),
+                                                   len(matchers)) for ok in part]
         rejected = []
         stops = self.stop_token_ids
         for ok, g, token, seq in zip(results, states, accepted_tokens, owners):
@@ -194,20 +198,36 @@ class StructuredOutputs:
                     row[:] = kept
         return num
 
+    def _batch(self):
+        """This thread's single-threaded BatchGrammarMatcher (no pool per call: threads.py)."""
+        batch = getattr(self._xgr_batch, "matcher", None)
+        if batch is None:
+            import xgrammar as xgr
+            batch = self._xgr_batch.matcher = xgr.BatchGrammarMatcher(1)
+        return batch
+
     def _fill(self, matchers, fill_rows, masks, bits, num):
-        """xgrammar's masks of matchers into masks[fill_rows]. Where the grammar's vocabulary (the
-        tokenizer's) is narrower than the model's, xgrammar fills masks of its own width, copied
-        into the first words of the rows here; the bits beyond it (its last word's high bits
-        included, which xgrammar leaves set) are cleared: never allowed."""
-        words = self.compiler.words
+        """xgrammar's masks of matchers into masks[fill_rows], in slices on threads. Where the
+        grammar's vocabulary (the tokenizer's) is narrower than the model's, xgrammar fills masks of
+        its own width, copied into the first words of the rows; the bits beyond (its last word's
+        high bits included, which xgrammar leaves set) are cleared: never allowed."""
+        fill = self._batch().batch_fill_next_token_bitmask
+        words, vocab = self.compiler.words, self.compiler.vocab_size
         if words == self.words:
-            self.threads.fill(matchers, masks, fill_rows)
+            self.threads.map(lambda lo, hi: fill(matchers[lo:hi], masks, fill_rows[lo:hi]), len(matchers))
             return
         if self._narrow is None or self._narrow.shape[0] < num:
             import torch
             self._narrow = torch.zeros(masks.shape[0], words, dtype=torch.int32)
-        self.threads.fill(matchers, self._narrow, fill_rows)
-        bits[:num, :words] = self._narrow.numpy().view(np.uint32)[:num]
-        bits[:num, words:] = 0
-        if self.compiler.vocab_size % 32:
-            bits[:num, words - 1] &= np.uint32((1 << self.compiler.vocab_size % 32) - 1)
+        narrow, narrow_bits = self._narrow, self._narrow.numpy().view(np.uint32)
+        tail = np.uint32((1 << vocab % 32) - 1) if vocab % 32 else None
+        count = len(matchers)
+
+        def fill_slice(lo, hi):
+            fill(matchers[lo:hi], narrow, fill_rows[lo:hi])
+            first, end = (fill_rows[lo] if lo else 0), (fill_rows[hi] if hi < count else num)  # slices tile [0, num)
+            bits[first:end, :words] = narrow_bits[first:end]
+            bits[first:end, words:] = 0
+            if tail is not None:
+                bits[first:end, words - 1] &= tail
+        self.threads.map(fill_slice, count)
