@@ -5,7 +5,7 @@
     python bench.py --model /path/to/Qwen3-0.6B        # real weights
     python bench.py --single              # one request: 128-token prompt, 512 new tokens, greedy
     python bench.py --structured json     # also every request under one JSON schema (benchmarks/structured.py)
-    python bench.py --structured host     # only the host's grammar work per step, 1..256 rows (no model, any machine)
+    python bench.py --structured host     # only the host's grammar work per step, 1..--num-seqs rows (no model)
     python bench.py --config benchmarks/configs/qwen3-8b.json --quantization fp8   # a Qwen3-8B-FP8 user's case
     python bench.py --kv-cache-dtype fp8  # the KV cache in float8_e4m3fn
 
@@ -238,8 +238,9 @@ def main():
     ap.add_argument("--structured", choices=["json", "host"],
                     help="json: after the timed run, the same requests under one JSON schema against them "
                          "unconstrained (alternated --repeat times): decode-step times, mask-fill time, compile times; "
-                         "host: only the host's grammar work per decode step (fill + accept) for 1..256 rows of that "
-                         "schema, over the tokenizer and the config's vocabulary, no model")
+                         "host: only the host's grammar work per decode step (fill + accept) for 1..--num-seqs "
+                         "rows of that schema, over the tokenizer and the config's vocabulary, on 1 and the "
+                         "engine's default number of threads, no model")
     ap.add_argument("--tokenizer", help="with --structured and random weights: a directory with tokenizer.json and "
                                         "tokenizer_config.json (default: the embedded SmolLM2's)")
     args = ap.parse_args()
@@ -249,7 +250,8 @@ def main():
         from nanovllm.models.model_path import resolve_model_path
         with open(os.path.join(args.model, "config.json") if args.model else args.config) as f:
             vocab_size = json.load(f)["vocab_size"]
-        host = structured.host_costs(args.tokenizer or args.model or resolve_model_path(None), vocab_size)
+        host = structured.host_compare(args.tokenizer or args.model or resolve_model_path(None), vocab_size,
+                                       args.num_seqs)
         structured.report_host(host)
         if args.json:
             with open(args.json, "w") as f:

@@ -133,7 +133,6 @@ def report(result: dict):
 
 
 # ---- the host side alone (`bench.py --structured host`): no model, any machine ----------------
-HOST_ROWS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 
 
 def _draw(rng, bits, vocab_size: int):
@@ -151,8 +150,8 @@ def _draw(rng, bits, vocab_size: int):
     return tokens.tolist()
 
 
-def host_costs(tokenizer_dir: str, vocab_size: int | None = None, rows=HOST_ROWS, steps: int = 40,
-               seed: int = 0) -> dict:
+def host_costs(tokenizer_dir: str, vocab_size: int | None = None, rows=(1, 16, 256), steps: int = 40,
+               seed: int = 0, num_threads: int | None = None) -> dict:
     """Per decode step, the host time of the engine's grammar calls for `rows` sequences under the
     benchmark's schema: `advance` (accept the drawn tokens) and `fill_masks` (the next masks), as
     `LLMEngine.step` makes them. Tokens are drawn at random among the allowed ones (random weights);
@@ -164,8 +163,9 @@ def host_costs(tokenizer_dir: str, vocab_size: int | None = None, rows=HOST_ROWS
     from nanovllm.structured_output.manager import Phase, StructuredOutputs
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
     vocab_size = vocab_size or len(tokenizer)
-    manager = StructuredOutputs(tokenizer, vocab_size, {tokenizer.eos_token_id})
-    params = SamplingParams(max_tokens=1 << 20, ignore_eos=True, structured_outputs=StructuredOutputsParams(json=SCHEMA))
+    manager = StructuredOutputs(tokenizer, vocab_size, {tokenizer.eos_token_id}, num_threads=num_threads)
+    params = SamplingParams(max_tokens=1 << 20, ignore_eos=True,
+                            structured_outputs=StructuredOutputsParams(json=SCHEMA))
     manager.check(params)  # compiled once, outside the timings
     rng = np.random.default_rng(seed)
     masks = torch.zeros(max(rows), manager.words, dtype=torch.int32)
@@ -202,8 +202,28 @@ def host_costs(tokenizer_dir: str, vocab_size: int | None = None, rows=HOST_ROWS
     return out
 
 
+def host_compare(tokenizer_dir: str, vocab_size: int | None = None, max_rows: int = 256, repeat: int = 2) -> dict:
+    """host_costs for 1, 2, 4 ... max_rows rows on one thread and on the engine's default number of
+    threads (where more than one), alternated `repeat` times; per arm and row count the fastest
+    run's figures."""
+    from nanovllm.structured_output.threads import default_num_threads
+    arms = sorted({1, default_num_threads()})
+    rows = sorted({1 << i for i in range(max_rows.bit_length()) if 1 << i <= max_rows} | {max_rows})
+    runs = {t: [] for t in arms}
+    for _ in range(repeat):
+        for t in arms:
+            runs[t].append(host_costs(tokenizer_dir, vocab_size, rows, num_threads=t))
+    out = {"vocab_size": runs[1][0]["vocab_size"], "default_threads": arms[-1], "threads": {}}
+    for t, results in runs.items():
+        out["threads"][t] = {n: min((r["rows"][n] for r in results), key=lambda x: x["total_ms"])
+                             for n in results[0]["rows"]}
+    return out
+
+
 def report_host(result: dict):
-    print(f"structured host costs per decode step (vocab {result['vocab_size']}, {result['threads']} thread(s)):")
-    for n, r in result["rows"].items():
-        print(f"  {n:>4} rows: fill {r['fill_ms']:.3f} ms + accept {r['accept_ms']:.3f} ms = {r['total_ms']:.3f} ms "
-              f"({r['us_per_row']:.1f} us/row)")
+    print(f"structured host costs per decode step (vocab {result['vocab_size']}; the engine's default: "
+          f"{result['default_threads']} thread(s)):")
+    for t, rows in result["threads"].items():
+        for n, r in rows.items():
+            print(f"  {t} thread(s), {n:>4} rows: fill {r['fill_ms']:.3f} ms + accept {r['accept_ms']:.3f} ms = "
+                  f"{r['total_ms']:.3f} ms ({r['us_per_row']:.1f} us/row)")
