@@ -105,7 +105,9 @@ class StructuredOutputs:
             state = self.reasoning.prompt_state(seqs[0].prompt_token_ids)
             phase = {PromptState.INSIDE: Phase.REASONING, PromptState.OPEN: Phase.UNDECIDED}.get(state, Phase.ACTIVE)
         for seq in seqs:
-            seq.grammar = GrammarState(xgr.GrammarMatcher(compiled, override_stop_tokens=self.stop_token_ids), phase)
+            # The stop tokens xgrammar knows: those of the tokenizer's (an eos beyond it only ends a finished grammar).
+            matcher = xgr.GrammarMatcher(compiled, override_stop_tokens=self.compiler.stop_token_ids)
+            seq.grammar = GrammarState(matcher, phase)
         self.num_live += len(seqs)
 
     def release(self, seq) -> None:

@@ -93,6 +93,22 @@ def test_a_finished_grammar_allows_only_eos_and_rejections_are_reported(tokenize
     assert m.advance([other], [bad]) == [other]
 
 
+def test_an_eos_beyond_the_tokenizer_only_ends_a_finished_grammar(tokenizer):
+    """A model's eos in its padding rows (a random model's config over a small tokenizer): xgrammar is
+    told only of the tokenizer's stop tokens (an id beyond its vocabulary would be written past the
+    mask), the grammar ends with those, and a finished grammar allows both."""
+    beyond = VOCAB - 1
+    m = StructuredOutputs(tokenizer, VOCAB, {tokenizer.eos_token_id, beyond})
+    assert beyond >= m.compiler.vocab_size and m.compiler.stop_token_ids == [tokenizer.eos_token_id]
+    seq = _seq(tokenizer, m, structured_outputs=StructuredOutputsParams(choice=["Paris"]), ignore_eos=True)
+    _feed_text(tokenizer, m, seq, "Paris")
+    rows, allowed = _fill(m, [seq])
+    assert allowed[0].nonzero().flatten().tolist() == [tokenizer.eos_token_id]
+    assert m.advance([seq], [tokenizer.eos_token_id]) == [] and seq.grammar.phase == Phase.TERMINATED
+    rows, allowed = _fill(m, [seq])
+    assert allowed[0].nonzero().flatten().tolist() == sorted([tokenizer.eos_token_id, beyond])
+
+
 def test_min_tokens_keeps_eos_out_unless_nothing_else_is_left(tokenizer):
     m = _manager(tokenizer)
     eos = tokenizer.eos_token_id
