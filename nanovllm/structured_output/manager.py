@@ -70,6 +70,7 @@ class StructuredOutputs:
         self._threads = None
         self._xgr_batch = threading.local()
         self._narrow = None  # the grammar's masks, where they are narrower than the runner's (see _fill)
+        self._clear_buffers: set[int] = set()  # the runner's buffers whose words beyond the grammar's are clear
         self._stop_row = _bits(self.stop_token_ids, self.words)
 
     @property
@@ -80,6 +81,11 @@ class StructuredOutputs:
             from nanovllm.structured_output.compiler import GrammarCompiler
             self._compiler = GrammarCompiler(self.tokenizer, self.vocab_size, self.stop_token_ids)
         return self._compiler
+
+    @property
+    def _stop_words_beyond(self) -> list[int]:
+        """The words of the mask holding stop tokens beyond the grammar's vocabulary."""
+        return sorted({t >> 5 for t in self.stop_token_ids if t >> 5 >= self.compiler.words})
 
     @property
     def threads(self):
@@ -212,7 +218,9 @@ class StructuredOutputs:
         """xgrammar's masks of matchers into masks[fill_rows], in slices on threads. Where the
         grammar's vocabulary (the tokenizer's) is narrower than the model's, xgrammar fills masks of
         its own width, copied into the first words of the rows; the bits beyond (its last word's
-        high bits included, which xgrammar leaves set) are cleared: never allowed."""
+        high bits included, which xgrammar leaves set) are never allowed. The words beyond are
+        cleared once per buffer: after that only a finished grammar's row writes there (the words
+        of the stop tokens beyond the tokenizer), and those words are cleared at every fill."""
         fill = self._batch().batch_fill_next_token_bitmask
         words, vocab = self.compiler.words, self.compiler.vocab_size
         if words == self.words:
@@ -222,14 +230,19 @@ class StructuredOutputs:
             import torch
             self._narrow = torch.zeros(masks.shape[0], words, dtype=torch.int32)
         narrow, narrow_bits = self._narrow, self._narrow.numpy().view(np.uint32)
+        if masks.data_ptr() not in self._clear_buffers:  # once per buffer (the runner's are few, and kept)
+            bits[:, words:] = 0
+            self._clear_buffers.add(masks.data_ptr())
         tail = np.uint32((1 << vocab % 32) - 1) if vocab % 32 else None
+        dirty = self._stop_words_beyond
         count = len(matchers)
 
         def fill_slice(lo, hi):
             fill(matchers[lo:hi], narrow, fill_rows[lo:hi])
             first, end = (fill_rows[lo] if lo else 0), (fill_rows[hi] if hi < count else num)  # slices tile [0, num)
             bits[first:end, :words] = narrow_bits[first:end]
-            bits[first:end, words:] = 0
+            if dirty:
+                bits[first:end, dirty] = 0
             if tail is not None:
                 bits[first:end, words - 1] &= tail
         self.threads.map(fill_slice, count)

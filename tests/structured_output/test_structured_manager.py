@@ -107,6 +107,18 @@ def test_an_eos_beyond_the_tokenizer_only_ends_a_finished_grammar(tokenizer):
     assert m.advance([seq], [tokenizer.eos_token_id]) == [] and seq.grammar.phase == Phase.TERMINATED
     rows, allowed = _fill(m, [seq])
     assert allowed[0].nonzero().flatten().tolist() == sorted([tokenizer.eos_token_id, beyond])
+    # One buffer kept, as the runner keeps its own, dirty at first (its warm-up allows every token):
+    # the finished grammar's row, then an open grammar's in the same place, allows nothing beyond.
+    masks, rows = torch.full((2, m.words), -1, dtype=torch.int32), np.zeros(2, dtype=np.int32)
+    fresh = _seq(tokenizer, m, structured_outputs=StructuredOutputsParams(choice=["Paris"]))
+    for seqs in ([seq], [fresh], [seq, fresh], [fresh, seq], [fresh]):
+        assert m.fill_masks(seqs, rows, masks) == len(seqs)
+        for k, s in enumerate(seqs):
+            allowed = unpack_bitmask(masks[k:k + 1], VOCAB)[0].nonzero().flatten().tolist()
+            if s is seq:
+                assert allowed == sorted([tokenizer.eos_token_id, beyond])
+            else:
+                assert allowed and max(allowed) < m.compiler.vocab_size
 
 
 def test_min_tokens_keeps_eos_out_unless_nothing_else_is_left(tokenizer):
