@@ -221,7 +221,8 @@ class StructuredOutputs:
         high bits included, which xgrammar leaves set) are never allowed. The words beyond are
         cleared once per buffer: after that only a finished grammar's row writes there (the words
         of the stop tokens beyond the tokenizer), and those words are cleared at every fill."""
-        fill = self._batch().batch_fill_next_token_bitmask
+        def fill(*args):  # on the slice's own thread: its own matcher
+            self._batch().batch_fill_next_token_bitmask(*args)
         words, vocab = self.compiler.words, self.compiler.vocab_size
         if words == self.words:
             self.threads.map(lambda lo, hi: fill(matchers[lo:hi], masks, fill_rows[lo:hi]), len(matchers))
