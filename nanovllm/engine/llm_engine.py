@@ -152,11 +152,16 @@ class LLMEngine:
 
         A batch with rows under a grammar launches its forward pass alone: the masks of its draw
         depend on the previous step's tokens, so they are filled once those are taken in, while
-        the forward pass runs, and the draw is launched then (overlap stays on).
+        the forward pass runs (overlap stays on). With overlap, the draw is launched at the next
+        step, once that step is scheduled: the scheduling, and the host's work up to the masks,
+        then overlap the forward pass, and the next forward pass follows the draw on the device
+        at once (launched last, the draw would leave the device idle while the host schedules).
         If it raises, no step is left in flight: a failed launch or read-back leaves results that
         cannot be trusted or fetched, and the callers fail every running request."""
         try:
             batch = self.scheduler.schedule()
+            if self._in_flight is not None:
+                self._launch_draw(self._in_flight[1])  # before this step's forward pass: it reads the tokens
             launched = None
             if batch is not None:
                 output = self.model_runner.execute(batch, defer_sampling=self.structured.needs_masks(batch.seqs))
@@ -168,9 +173,8 @@ class LLMEngine:
             if self.overlap:
                 earlier, self._in_flight = self._in_flight, launched
             finished = self._process(*earlier) if earlier is not None else []
-            if launched is not None and launched[1].awaits_masks:
-                self.model_runner.sample(launched[1], self.structured.fill_masks)
             if not self.overlap and launched is not None:
+                self._launch_draw(launched[1])
                 finished = self._process(*launched)
         except BaseException:
             self._in_flight = None
@@ -178,6 +182,11 @@ class LLMEngine:
         if batch is None:
             return finished, 0, 0
         return finished, batch.num_tokens - batch.num_decodes, batch.num_decodes
+
+    def _launch_draw(self, output):
+        """Fill the masks of a step whose draw awaits them and launch it (nothing for other steps)."""
+        if output.awaits_masks:
+            self.model_runner.sample(output, self.structured.fill_masks)
 
     def _process(self, batch, output) -> list[Sequence]:
         finished = []
@@ -206,7 +215,10 @@ class LLMEngine:
     def drain(self) -> list[Sequence]:
         """Take in the results of the step still in flight, if any."""
         done, self._in_flight = self._in_flight, None
-        return self._process(*done) if done is not None else []
+        if done is None:
+            return []
+        self._launch_draw(done[1])
+        return self._process(*done)
 
     def shutdown(self):
         runner, self.model_runner = getattr(self, "model_runner", None), None
