@@ -5,6 +5,7 @@
     python bench.py --model /path/to/Qwen3-0.6B        # real weights
     python bench.py --single              # one request: 128-token prompt, 512 new tokens, greedy
     python bench.py --structured json     # also every request under one JSON schema (benchmarks/structured.py)
+    python bench.py --structured host     # only the host's grammar work per step, 1..--num-seqs rows (no model)
     python bench.py --config benchmarks/configs/qwen3-8b.json --quantization fp8   # a Qwen3-8B-FP8 user's case
     python bench.py --kv-cache-dtype fp8  # the KV cache in float8_e4m3fn
     python bench.py --config benchmarks/configs/qwen3-30b-a3b.json   # a mixture of experts: the roofline
@@ -198,13 +199,28 @@ def main():
     ap.add_argument("--alloc-trace", action="store_true",
                     help="record where the timed run's device allocations (cudaMalloc) come from (slows the run)")
     ap.add_argument("--trace", metavar="FILE", help="with --profile: write the run's chrome trace to FILE")
-    ap.add_argument("--structured", choices=["json"],
-                    help="after the timed run, the same requests under one JSON schema against them unconstrained "
-                         "(alternated --repeat times): decode-step times, mask-fill time, compile times")
+    ap.add_argument("--structured", choices=["json", "host"],
+                    help="json: after the timed run, the same requests under one JSON schema against them "
+                         "unconstrained (alternated --repeat times): decode-step times, mask-fill time, compile times; "
+                         "host: only the host's grammar work per decode step (fill + accept) for 1..--num-seqs "
+                         "rows of that schema, over the tokenizer and the config's vocabulary, on 1 and the "
+                         "engine's default number of threads, no model")
     ap.add_argument("--tokenizer", help="with --structured and random weights: a directory with tokenizer.json and "
                                         "tokenizer_config.json (default: the embedded SmolLM2's)")
     args = ap.parse_args()
 
+    if args.structured == "host":
+        from benchmarks import structured
+        from nanovllm.models.model_path import resolve_model_path
+        with open(os.path.join(args.model, "config.json") if args.model else args.config) as f:
+            vocab_size = json.load(f)["vocab_size"]
+        host = structured.host_compare(args.tokenizer or args.model or resolve_model_path(None), vocab_size,
+                                       args.num_seqs)
+        structured.report_host(host)
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump({"structured_host": host}, f, indent=1)
+        return
     path, cfg, load_format = model_dir(args)
     moe = architecture_costs(cfg)["sparse_layers"] > 0
     if moe:  # the MoE layers count the experts they route to (device-side), for the roofline

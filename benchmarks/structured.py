@@ -13,6 +13,8 @@ tokens; a model's vocabulary beyond its tokenizer's is never allowed).
 import time
 from dataclasses import replace
 
+import numpy as np
+
 from nanovllm.sampling_params import SamplingParams
 from nanovllm.structured_output import StructuredOutputsParams
 
@@ -128,3 +130,100 @@ def report(result: dict):
     hidden = "n/a on the CPU" if m["hidden_fraction"] is None else f"{m['hidden_fraction']:.1%} of the steps"
     print(f"  mask fill: {m['ms_per_step']:.3f} ms per constrained step ({m['rows_per_step']:.1f} rows), "
           f"forward still running when the masks were ready: {hidden}")
+
+
+# ---- the host side alone (`bench.py --structured host`): no model, any machine ----------------
+
+
+def _draw(rng, bits, vocab_size: int):
+    """A random allowed token per mask row (what random weights draw), from candidates tried
+    first and the row's full mask where none of them is allowed."""
+    n = bits.shape[0]
+    cand = rng.integers(0, vocab_size, size=(n, 64))
+    rows = np.arange(n)[:, None]
+    ok = (bits[rows, cand >> 5] >> (cand & 31).astype(np.uint32)) & 1
+    first = ok.argmax(1)
+    tokens = cand[np.arange(n), first]
+    for r in np.flatnonzero(ok[np.arange(n), first] == 0):
+        allowed = np.flatnonzero(np.unpackbits(bits[r].view(np.uint8), bitorder="little")[:vocab_size])
+        tokens[r] = rng.choice(allowed)
+    return tokens.tolist()
+
+
+def host_costs(tokenizer_dir: str, vocab_size: int | None = None, rows=(1, 16, 256), steps: int = 40,
+               seed: int = 0, num_threads: int | None = None) -> dict:
+    """Per decode step, the host time of the engine's grammar calls for `rows` sequences under the
+    benchmark's schema: `advance` (accept the drawn tokens) and `fill_masks` (the next masks), as
+    `LLMEngine.step` makes them. Tokens are drawn at random among the allowed ones (random weights);
+    a sequence whose grammar ends is replaced (untimed), so every row stays under an open grammar."""
+    import torch
+    from transformers import AutoTokenizer
+
+    from nanovllm.engine.sequence import Sequence
+    from nanovllm.structured_output.manager import Phase, StructuredOutputs
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+    vocab_size = vocab_size or len(tokenizer)
+    manager = StructuredOutputs(tokenizer, vocab_size, {tokenizer.eos_token_id}, num_threads=num_threads)
+    params = SamplingParams(max_tokens=1 << 20, ignore_eos=True,
+                            structured_outputs=StructuredOutputsParams(json=SCHEMA))
+    manager.check(params)  # compiled once, outside the timings
+    rng = np.random.default_rng(seed)
+    masks = torch.zeros(max(rows), manager.words, dtype=torch.int32)
+    mask_rows = np.zeros(max(rows), dtype=np.int32)
+    bits = masks.numpy().view(np.uint32)
+
+    def fresh():
+        seq = Sequence([1, 2, 3], params, seed=0)
+        manager.attach([seq])
+        return seq
+    out = {"vocab_size": vocab_size, "threads": manager.threads.num_threads, "rows": {}}
+    for n in rows:
+        seqs = [fresh() for _ in range(n)]
+        accept = fill = 0.0
+        for step in range(steps + 2):  # two warm-up steps
+            t0 = time.perf_counter()
+            num = manager.fill_masks(seqs, mask_rows, masks)
+            t1 = time.perf_counter()
+            tokens = _draw(rng, bits[:num], vocab_size)
+            t2 = time.perf_counter()
+            rejected = manager.advance(seqs, tokens)
+            t3 = time.perf_counter()
+            assert num == n and not rejected
+            if step >= 2:
+                fill, accept = fill + t1 - t0, accept + t3 - t2
+            for i, seq in enumerate(seqs):
+                if seq.grammar.phase != Phase.ACTIVE:  # the object is complete
+                    manager.release(seq)
+                    seqs[i] = fresh()
+        for seq in seqs:
+            manager.release(seq)
+        out["rows"][n] = {"fill_ms": 1e3 * fill / steps, "accept_ms": 1e3 * accept / steps,
+                          "total_ms": 1e3 * (fill + accept) / steps, "us_per_row": 1e6 * (fill + accept) / steps / n}
+    return out
+
+
+def host_compare(tokenizer_dir: str, vocab_size: int | None = None, max_rows: int = 256, repeat: int = 2) -> dict:
+    """host_costs for 1, 2, 4 ... max_rows rows on one thread and on the engine's default number of
+    threads (where more than one), alternated `repeat` times; per arm and row count the fastest
+    run's figures."""
+    from nanovllm.structured_output.threads import default_num_threads
+    arms = sorted({1, default_num_threads()})
+    rows = sorted({1 << i for i in range(max_rows.bit_length()) if 1 << i <= max_rows} | {max_rows})
+    runs = {t: [] for t in arms}
+    for _ in range(repeat):
+        for t in arms:
+            runs[t].append(host_costs(tokenizer_dir, vocab_size, rows, num_threads=t))
+    out = {"vocab_size": runs[1][0]["vocab_size"], "default_threads": arms[-1], "threads": {}}
+    for t, results in runs.items():
+        out["threads"][t] = {n: min((r["rows"][n] for r in results), key=lambda x: x["total_ms"])
+                             for n in results[0]["rows"]}
+    return out
+
+
+def report_host(result: dict):
+    print(f"structured host costs per decode step (vocab {result['vocab_size']}; the engine's default: "
+          f"{result['default_threads']} thread(s)):")
+    for t, rows in result["threads"].items():
+        for n, r in rows.items():
+            print(f"  {t} thread(s), {n:>4} rows: fill {r['fill_ms']:.3f} ms + accept {r['accept_ms']:.3f} ms = "
+                  f"{r['total_ms']:.3f} ms ({r['us_per_row']:.1f} us/row)")

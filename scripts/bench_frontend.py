@@ -9,6 +9,12 @@ on a GPU (it launches step N, then reads step N-1's tokens, waiting for them if 
 
   python scripts/bench_frontend.py --concurrency 256 --num-prompts 512 --step-ms 5
 
+`--data-parallel-size N`: N engine cores (each with a stand-in device of its own) behind the one API
+process, as `nanovllm serve --data-parallel-size N` runs them. After the run the script prints the
+CPU time each process took over the timed run, as a share of one CPU core: an API process near
+100% (its event loop is one thread) would be the bottleneck; so would a client whose processes are
+near 100% each (its CPU is printed too).
+
 Defaults: the GPU serving benchmark's workload (`STAGES=serving bash scripts/gpu_check.sh`: inputs and outputs of
 100-1024 tokens, token ids below 10,000, no tokenizer) at the H200's speed for Qwen3-0.6B (~5 ms per
 decode step at 256 sequences, ~1.9 us per prefill token).
@@ -17,6 +23,8 @@ import argparse
 import functools
 import json
 import os
+import re
+import resource
 import subprocess
 import sys
 import tempfile
@@ -84,17 +92,48 @@ def serve(args):
     import uvicorn
 
     from nanovllm.config import Config
-    from nanovllm.engine.async_engine import AsyncLLMEngine
+    from nanovllm.engine.data_parallel import DataParallelEngine
     from nanovllm.entrypoints.openai.api_server import build_app
     from nanovllm.entrypoints.openai.metrics import ServerMetrics
 
     config = Config(args.model_dir, load_format="dummy", device="cpu", max_num_seqs=args.max_num_seqs,
                     max_model_len=4096, num_kvcache_blocks=args.max_num_seqs * 8 + 64)
     metrics = ServerMetrics("stand-in", config.max_model_len)
-    engine = AsyncLLMEngine(config, listener=metrics.engine_listener(0),
-                            engine_factory=stand_in_engine(args.step_ms / 1e3, args.prefill_us / 1e6))
+    dp = args.data_parallel_size
+    engine = DataParallelEngine(config, dp, listeners=[metrics.engine_listener(i) for i in range(dp)],
+                                engine_factory=stand_in_engine(args.step_ms / 1e3, args.prefill_us / 1e6),
+                                uses_cpu_cores=False)
     engine.start()
     uvicorn.run(build_app(engine, ["stand-in"], metrics), host="127.0.0.1", port=args.port, log_level="warning")
+
+
+def _cpu_seconds(pid: int) -> dict[int, tuple[str, float]]:
+    """{pid: (what it is, user + system CPU seconds)} of the server process and its engine processes
+    (Linux /proc; multiprocessing's resource tracker left out)."""
+    tick = os.sysconf("SC_CLK_TCK")
+    children = []
+    for task in os.listdir(f"/proc/{pid}/task"):
+        with open(f"/proc/{pid}/task/{task}/children") as f:
+            children += [int(c) for c in f.read().split()]
+    out = {}
+    for p in [pid, *children]:
+        try:
+            with open(f"/proc/{p}/cmdline", "rb") as f:
+                cmdline = f.read()
+            with open(f"/proc/{p}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except FileNotFoundError:
+            continue
+        if b"resource_tracker" in cmdline:
+            continue
+        out[p] = ("API process" if p == pid else "engine process", (int(fields[11]) + int(fields[12])) / tick)
+    return out
+
+
+def _reaped_children_cpu() -> float:
+    """CPU seconds of this process's children that have exited (the client, once it is done)."""
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
 
 
 def _get(url: str) -> str:
@@ -106,7 +145,8 @@ def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--step-ms", type=float, default=5.0, help="the stand-in device's time per step")
     p.add_argument("--prefill-us", type=float, default=1.9, help="its extra time per prefill token")
-    p.add_argument("--max-num-seqs", type=int, default=256)
+    p.add_argument("--max-num-seqs", type=int, default=256, help="per engine core")
+    p.add_argument("--data-parallel-size", type=int, default=1, help="engine cores behind the API process")
     p.add_argument("--concurrency", type=int, default=256)
     p.add_argument("--num-prompts", type=int, default=512)
     p.add_argument("--input-len", default="100:1024")
@@ -124,7 +164,8 @@ def main():
             json.dump(TINY_QWEN3, f)
         server = subprocess.Popen([sys.executable, os.path.abspath(__file__), "--serve", model_dir,
                                    "--port", str(args.port), "--max-num-seqs", str(args.max_num_seqs),
-                                   "--step-ms", str(args.step_ms), "--prefill-us", str(args.prefill_us)])
+                                   "--step-ms", str(args.step_ms), "--prefill-us", str(args.prefill_us),
+                                   "--data-parallel-size", str(args.data_parallel_size)])
         base = f"http://127.0.0.1:{args.port}"
         try:
             for _ in range(120):
@@ -142,10 +183,20 @@ def main():
                       "--output-len", args.output_len, "--processes", str(args.processes)]
             if args.json_out:
                 client += ["--json-out", args.json_out]
+            before, start, clients = _cpu_seconds(server.pid), time.perf_counter(), _reaped_children_cpu()
             status = subprocess.call(client)
+            after, wall = _cpu_seconds(server.pid), time.perf_counter() - start
+            for pid, (name, seconds) in after.items():  # the client's warm-up request included
+                used = seconds - before.get(pid, (name, 0.0))[1]
+                print(f"CPU of the {name} {pid}: {used:.1f} s in {wall:.1f} s = {used / wall:.0%} of a core")
+            used = _reaped_children_cpu() - clients
+            print(f"CPU of the client ({args.processes} processes): {used:.1f} s = {used / wall:.0%} of a core; "
+                  f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs")
             for line in _get(base + "/metrics").splitlines():
                 if line.startswith("nanovllm:engine_") or "_seconds_sum" in line:
-                    print(line.split("{")[0], line.rsplit(" ", 1)[1])
+                    engine = re.search(r'engine="([^"]*)"', line)
+                    print(line.split("{")[0] + (f"[engine {engine.group(1)}]" if engine else ""),
+                          line.rsplit(" ", 1)[1])
         finally:
             server.terminate()
             server.wait(30)

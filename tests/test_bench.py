@@ -107,6 +107,20 @@ def test_bench_structured_compares_constrained_and_free_decode_steps(tmp_path):
     assert fill["hidden_fraction"] is None  # no device to overlap with on the CPU
     assert any(line.startswith("grammar compile, tool call") for line in proc.stdout.splitlines())
     assert any("mask fill:" in line for line in proc.stdout.splitlines()) and len(tokenizer) == 400
+def test_bench_structured_host_times_the_grammar_work_per_step(tmp_path):
+    """No model: the engine's fill + accept per step for 1, 2, 4 ... --num-seqs rows, on the config's
+    vocabulary (wider than the tokenizer's: the copy into the model-wide rows is in the figures)."""
+    from helpers import make_tokenizer
+    make_tokenizer(str(tmp_path / "tokenizer"))
+    out = tmp_path / "result.json"
+    proc = _bench(tmp_path, "--structured", "host", "--tokenizer", str(tmp_path / "tokenizer"), "--json", str(out))
+    result = json.loads(out.read_text())["structured_host"]
+    assert result["vocab_size"] == json.loads(_tiny_config(tmp_path).read_text())["vocab_size"] > 400
+    assert result["threads"]["1"].keys() == {"1", "2", "4", "5"}
+    assert all(r["fill_ms"] > 0 and r["accept_ms"] > 0 for arm in result["threads"].values() for r in arm.values())
+    assert "5 rows: fill" in proc.stdout and "num_kvcache_blocks" not in proc.stdout  # no engine was built
+
+
 def test_roofline_counts_fp8_weights_and_an_fp8_cache_at_a_byte():
     """Block-FP8 projections: one byte per weight plus an fp32 scale per 128x128 block (the LM head stays
     in the model dtype); an FP8 cache: one byte per K/V value; FP8 products at the FP8 rate."""

@@ -1,5 +1,5 @@
 """scripts/bench_frontend.py: the real engine over a stand-in device of fixed speed, and the whole
-server driven by the serving client (a small run)."""
+server driven by the serving client (a small run, with two engine cores)."""
 import importlib.util
 import json
 import os
@@ -40,8 +40,11 @@ def test_whole_server_run(tmp_path):
     out = tmp_path / "summary.json"
     proc = subprocess.run([sys.executable, "scripts/bench_frontend.py", "--num-prompts", "12", "--concurrency", "6",
                            "--input-len", "20:40", "--output-len", "8:16", "--step-ms", "2", "--port", "8019",
-                           "--json-out", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=300)
+                           "--data-parallel-size", "2", "--json-out", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
     summary = json.loads(out.read_text())
     assert summary["successful"] == 12 and summary["failed"] == 0 and summary["output_tokens"] >= 12 * 8
-    assert "nanovllm:engine_emit_seconds_total" in proc.stdout
+    assert "nanovllm:engine_emit_seconds_total[engine 1]" in proc.stdout  # two engine cores served
+    cpu = [line for line in proc.stdout.splitlines() if line.startswith("CPU of the ")]
+    assert len(cpu) == 4 and "API process" in cpu[0] and "client" in cpu[3], proc.stdout[-2000:]
+    assert sum("engine process" in line for line in cpu) == 2

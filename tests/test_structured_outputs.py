@@ -106,6 +106,32 @@ def test_neighbours_constraints_change_nothing(tiny, no_space):
     assert [mixed[0]["token_ids"], mixed[3]["token_ids"]] == alone_constrained
 
 
+def test_overlapped_steps_draw_the_same_tokens(tiny, no_space):
+    """The GPU's loop (overlap: a constrained step's draw is launched at the next step, after its
+    scheduling) run on the CPU: every kind, unconstrained neighbours, n > 1, min_tokens, stop strings
+    and max_tokens give the tokens of the plain loop, and the constraints hold."""
+    kinds = list(CONSTRAINTS)
+    params = [SamplingParams(temperature=0.8 if i % 2 else 0.0, seed=i, max_tokens=60, logit_bias=no_space,
+                             min_tokens=3 if i == 4 else 0, n=2 if i == 1 else 1, stop=["}"] if i == 7 else None,
+                             structured_outputs=None if i % 3 == 2 else CONSTRAINTS[kinds[i % len(kinds)]])
+              for i in range(10)]
+    prompts = [f"Request number {i}:" for i in range(10)]
+    runs = {}
+    try:
+        for overlap in (False, True):
+            tiny.engine.overlap = overlap
+            runs[overlap] = tiny.generate(prompts, params, use_tqdm=False)
+    finally:
+        tiny.engine.overlap = False
+    assert [o["token_ids"] for o in runs[True]] == [o["token_ids"] for o in runs[False]]
+    checked = 0
+    for i, out in enumerate(runs[True]):
+        if params[i].structured_outputs is not None and params[i].stop is None and out["finish_reason"] == "stop":
+            _check(kinds[i % len(kinds)], out["text"])  # the grammar completed (eos is all it then allows)
+            checked += 1
+    assert checked >= 3
+
+
 def test_n_completions_each_follow_the_grammar_and_seeds_reproduce(tiny, no_space):
     sp = SamplingParams(n=3, temperature=1.0, seed=11, max_tokens=150, logit_bias=no_space,
                         structured_outputs=CONSTRAINTS["json"])

@@ -19,12 +19,13 @@ import logging
 import multiprocessing
 import pickle
 import queue
+import signal
 import threading
 import time
 import uuid
 
 from nanovllm.config import Config
-from nanovllm.engine.engine_core import EngineCore
+from nanovllm.engine.engine_core import CoreOptions, EngineCore
 from nanovllm.engine.engine_process import engine_process_main
 from nanovllm.engine.request_output import CompletionOutput, EngineStats, RequestOutput, RequestRejected
 from nanovllm.sampling_params import SamplingParams
@@ -39,9 +40,11 @@ class RequestHandle:
     the engine has validated and queued it (or raises RequestRejected); outputs then arrive on
     `queue` (a queue may be shared by the several requests of one HTTP request)."""
 
-    def __init__(self, engine: "AsyncLLMEngine", request_id: str, out_queue: asyncio.Queue, stream: bool):
+    def __init__(self, engine: "AsyncLLMEngine", request_id: str, out_queue: asyncio.Queue, stream: bool,
+                 num_seqs: int = 1):
         self.engine = engine
         self.request_id = request_id
+        self.num_seqs = num_seqs  # its completions (n): what it weighs in the engine's load
         self.loop = asyncio.get_running_loop()
         self.accepted: asyncio.Future = self.loop.create_future()
         self.queue = out_queue
@@ -58,18 +61,23 @@ class RequestHandle:
 
 class AsyncLLMEngine:
     def __init__(self, config: Config, max_waiting: int = 1024, listener=None, engine_factory=None,
-                 separate_process: bool = True):
+                 separate_process: bool = True, options: CoreOptions | None = None):
         """listener: optional object with `record(events)` (server metrics), called off the event
         loop with each dispatch's events for metrics, in order: the core's "stats", "tokens",
-        "ttft", "token_gaps" and "finished" events (engine_core.py), and whatever kinds it adds.
+        "ttft", "token_gaps" and "finished" events (engine_core.py), whatever kinds it adds, and
+        ("dead", reason) once the core stops serving unasked.
         engine_factory: builds the LLMEngine from the config (default LLMEngine; picklable when
-        separate_process). separate_process=False runs the core on a thread of this process."""
+        separate_process). separate_process=False runs the core on a thread of this process.
+        options: the core's index among a server's cores, its CPU threads, KV events (CoreOptions)."""
         if isinstance(max_waiting, bool) or not isinstance(max_waiting, int) or max_waiting < 1:
             raise ValueError(f"max_waiting must be an integer >= 1, got {max_waiting!r}")
         self.config = config
         self.max_waiting = max_waiting
         self.listener = listener
         self.separate_process = separate_process
+        self.options = options or CoreOptions()
+        self.name = f"engine core {self.options.index}"
+        self.kv_cache = None  # the core's KVCacheInfo, once it is ready
         self._engine_factory = engine_factory
         self.stats = EngineStats()
         self.accepting = False
@@ -80,6 +88,8 @@ class AsyncLLMEngine:
         # both counts of the core's side come from the same snapshot as its num_waiting.
         self._num_sent = 0       # "add" commands queued (event loop side)
         self._num_lost = 0       # of them, never delivered (writer thread side)
+        self._seqs_sent = 0      # completions of the requests submitted (event loop side)
+        self._seqs_done = 0      # of them, answered for good (dispatching thread side)
         self._core: EngineCore | None = None  # thread mode only
         self._workers: list[threading.Thread] = []
         self._process = None
@@ -91,21 +101,30 @@ class AsyncLLMEngine:
     def start(self):
         """Start the engine (process or thread) and wait until the model is loaded; re-raises a
         load error."""
+        self.launch()
+        self.wait_ready()
+
+    def launch(self):
+        """Start the engine without waiting for it (so that several load their models together)."""
         if self.separate_process:
             ctx = multiprocessing.get_context("spawn")  # CUDA cannot be used in a forked child
             self._conn, child = ctx.Pipe()
-            self._process = ctx.Process(target=engine_process_main, name="nanovllm-engine",
-                                        args=(child, self.config, self._engine_factory, logging.getLogger().level))
+            self._process = ctx.Process(target=engine_process_main, name=f"nanovllm-engine-{self.options.index}",
+                                        args=(child, self.config, self._engine_factory, logging.getLogger().level,
+                                              self.options))
             self._process.start()
             child.close()
             self._workers = [threading.Thread(target=self._read_events, name="nanovllm-engine-reader", daemon=True),
                              threading.Thread(target=self._write_commands, name="nanovllm-engine-writer",
                                               daemon=True)]
         else:
-            self._core = EngineCore(self.config, self._commands, self._dispatch, self._engine_factory)
+            self._core = EngineCore(self.config, self._commands, self._dispatch, self._engine_factory, self.options)
             self._workers = [threading.Thread(target=self._core.run, name="nanovllm-engine", daemon=True)]
         for worker in self._workers:
             worker.start()
+
+    def wait_ready(self):
+        """Wait until the launched engine has loaded its model; re-raises a load error."""
         self._ready.wait()
         if self._startup_error is not None:
             self._stop_workers(timeout=5.0)
@@ -156,6 +175,18 @@ class AsyncLLMEngine:
         return len(self._handles)
 
     @property
+    def load(self) -> int:
+        """Completions submitted and not yet answered: the core's running and waiting sequences,
+        and those on their way to it, counted here as they are submitted (for a load balancer)."""
+        return self._seqs_sent - self._seqs_done
+
+    def core_states(self) -> list[tuple[int, str | None]]:
+        """(index, None while it serves, else why not) of each engine core: here, one."""
+        if self.healthy:
+            return [(self.options.index, None)]
+        return [(self.options.index, self.dead or "stopped")]
+
+    @property
     def engine(self):
         """The LLMEngine, when it runs on a thread of this process (tests reach into it)."""
         return self._core.engine if self._core is not None else None
@@ -187,11 +218,12 @@ class AsyncLLMEngine:
                     out_queue: asyncio.Queue | None = None) -> RequestHandle:
         """Submit a prompt (token ids; validated by the engine). Await `handle.accepted`."""
         out_queue = out_queue if out_queue is not None else asyncio.Queue()
-        handle = RequestHandle(self, uuid.uuid4().hex, out_queue, stream)
+        handle = RequestHandle(self, uuid.uuid4().hex, out_queue, stream, params.n)
         if not self.healthy:  # nobody would answer
             handle.accepted.set_exception(RequestRejected(f"the engine is unavailable: {self.dead or 'stopped'}", 503))
             return handle
         self._num_sent += 1
+        self._seqs_sent += handle.num_seqs
         self._handles[handle.request_id] = handle
         self._commands.put(("add", handle.request_id, token_ids, params, stream, handle.arrival_time))
         return handle
@@ -216,21 +248,25 @@ class AsyncLLMEngine:
                 if handle is None:
                     continue
                 if kind == "reject":
-                    self._handles.pop(event[1], None)
+                    self._answered(event[1])
                     value = RequestRejected(event[2], event[3])
                 elif kind == "output":
                     value = event[2]
                     if value.finished:
-                        self._handles.pop(event[1], None)
+                        self._answered(event[1])
                 else:
                     value = event[2]
                 by_loop.setdefault(handle.loop, []).append((handle, kind, value))
             elif kind == "aborted":
-                self._handles.pop(event[1], None)
+                self._answered(event[1])
             elif kind == "dead":
+                if self.dead is None:
+                    logger.error("%s stopped serving: %s", self.name, event[1])
                 self.dead = event[1]
                 self.accepting = False
+                for_listener.append(event)
             elif kind == "ready":
+                self.kv_cache = event[1]
                 self._ready.set()
             elif kind == "startup_error":
                 self._startup_error = event[1]
@@ -244,6 +280,12 @@ class AsyncLLMEngine:
                 loop.call_soon_threadsafe(_deliver, items)
             except RuntimeError:  # that event loop is closed: nobody is listening any more
                 pass
+
+    def _answered(self, request_id: str):
+        """The core owes request_id nothing more."""
+        handle = self._handles.pop(request_id, None)
+        if handle is not None:
+            self._seqs_done += handle.num_seqs
 
     def _read_events(self):
         """Reader thread (process mode): the core's event lists, until the process goes away. Lists
@@ -266,8 +308,22 @@ class AsyncLLMEngine:
             self._startup_error = RuntimeError("the engine process exited while loading the model")
             self._ready.set()
         if self.dead is None and self.accepting:  # not a shutdown we asked for
-            code = self._process.exitcode if self._process is not None else None
-            self._fail_orphans(f"the engine process exited unexpectedly (exit code {code})")
+            self._fail_orphans(f"{self.name}'s process exited unexpectedly ({self._exit_status()})")
+
+    def _exit_status(self) -> str:
+        process = self._process
+        if process is None:
+            return "no process"
+        process.join(2.0)  # its pipe closes as it exits, a moment before it can be reaped
+        code = process.exitcode
+        if code is None:
+            return f"pid {process.pid}, still running"
+        if code < 0:
+            try:
+                return f"pid {process.pid}, killed by signal {signal.Signals(-code).name}"
+            except ValueError:
+                return f"pid {process.pid}, killed by signal {-code}"
+        return f"pid {process.pid}, exit code {code}"
 
     def _write_commands(self):
         """Writer thread (process mode): commands from any thread, in order, onto the pipe."""
@@ -286,9 +342,11 @@ class AsyncLLMEngine:
 
     def _fail_orphans(self, reason: str):
         """The engine died: answer every request it still owed an answer."""
+        logger.error("%s stopped serving: %s; failing its %d requests in flight", self.name, reason,
+                     len(self._handles))
         self.dead = reason
         self.accepting = False
-        events = []
+        events = [("dead", reason)]
         for request_id, handle in list(self._handles.items()):
             if handle.accepted.done():
                 events.append(("output", request_id, RequestOutput(request_id, finished=True,

@@ -25,6 +25,11 @@ prompt); and everything a sequence computed, generated tokens included, when it 
 their content until the space is needed: the free list is an LRU queue evicted from the front; a
 sequence's blocks go back tail first, unindexed ones in front, so the most shareable content
 (a conversation's head, a system prompt) is evicted last.
+
+An optional `observer` hears of every full block the prefix cache gains (`stored(hash, parent_hash,
+token_ids)`) and loses (`removed(hash)`): the KV-cache events a server publishes for routers
+(engine/kv_events.py). Partial blocks are not announced (vLLM's events name full blocks only).
+Without an observer, that costs one attribute test per full block indexed or evicted.
 """
 from array import array
 from bisect import bisect_left
@@ -98,6 +103,7 @@ class BlockManager:
         # parent chain hash -> (token_ids, block_id) of its indexed child blocks, sorted
         self.children: dict[int | None, list[tuple[tuple[int, ...], int]]] = {}
         self.seq_block_hashes: dict[int, list[int]] = {}  # seq_id -> hashes of its full blocks
+        self.observer = None  # hears of blocks indexed and evicted (see the module docstring)
         self._copies: list[tuple[int, int, int]] = []  # (source, destination, tokens) for the next step
         self._pinned: list[int] = []  # sources of those copies, referenced until the step is launched
         # Prefix-cache statistics, in tokens.
@@ -173,6 +179,8 @@ class BlockManager:
             if block_hash in self.hash_to_block:
                 return
             self.hash_to_block[block_hash] = block.block_id
+            if self.observer is not None:
+                self.observer.stored(block_hash, parent, token_ids)
         elif i < len(entries) and entries[i][0][:len(token_ids)] == token_ids:
             return
         if not entries:
@@ -189,6 +197,8 @@ class BlockManager:
             del self.children[block.parent]
         if block.hash is not None:
             del self.hash_to_block[block.hash]
+            if self.observer is not None:
+                self.observer.removed(block.hash)
         block.token_ids = block.parent = block.hash = None
 
     def publish(self, seq: Sequence, final: bool = False):

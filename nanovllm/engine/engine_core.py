@@ -5,7 +5,7 @@
 ``("abort_all", None)``: finish every request now, finish_reason "abort", ``("stop", None)``) and
 hands out, once per pass of its loop, one list of events (``emit``):
 
-    ("ready", None) | ("startup_error", exception)            once, first
+    ("ready", KVCacheInfo) | ("startup_error", exception)     once, first
     ("stats", EngineStats)                                    before the deliveries of a pass
     ("accept", request_id, num_prompt_tokens) | ("reject", request_id, message, status)
     ("output", request_id, RequestOutput)                     new tokens/text, or the final output
@@ -22,10 +22,14 @@ So the same loop runs on a thread of the server process or in a process of its o
 (`nanovllm.engine.async_engine` chooses), with every message picklable. The loop blocks on the
 inbox while there is nothing to run and otherwise alternates: take in all pending commands (new
 requests join the running batch at the next step), run one step, emit what it produced.
+
+With a KV-events endpoint (`CoreOptions`), the core also publishes its prefix cache's changes after
+each pass (engine/kv_events.py); without one nothing of that runs.
 """
 import logging
 import queue
 import time
+from dataclasses import dataclass
 from typing import NamedTuple
 
 from nanovllm.config import Config
@@ -36,6 +40,22 @@ from nanovllm.engine.sequence import Sequence
 logger = logging.getLogger("nanovllm.engine_core")
 
 _MAX_CONSECUTIVE_STEP_ERRORS = 3  # after this many failed steps in a row the engine counts as broken
+
+
+@dataclass(frozen=True)
+class CoreOptions:
+    """What a server sets per engine core beyond its Config."""
+    index: int = 0                    # the core's rank among the server's data-parallel cores
+    cpu_threads: int | None = None    # torch threads of its process (CPU: its share of the host's cores)
+    kv_events_endpoint: str | None = None  # publish KV-cache events there (ZMQ, vLLM's format)
+    kv_events_topic: str = ""
+    kv_events_format: str = "array"  # how the events are encoded (engine/kv_events.py)
+
+
+class KVCacheInfo(NamedTuple):
+    """What the core's "ready" event says of its KV cache."""
+    num_blocks: int
+    block_size: int
 
 
 class FinishedSequence(NamedTuple):
@@ -64,13 +84,15 @@ class _Tracked:
 
 
 class EngineCore:
-    def __init__(self, config: Config, inbox, emit, engine_factory=None):
+    def __init__(self, config: Config, inbox, emit, engine_factory=None, options: CoreOptions | None = None):
         """inbox: `get()` (blocking) and `get_nowait()` (raises queue.Empty) returning commands;
         emit(events): called once per pass with that pass's events."""
         self.config = config
         self.inbox = inbox
         self._emit = emit
         self._engine_factory = engine_factory
+        self.options = options or CoreOptions()
+        self.kv_events = None  # a KVEventPublisher, with an endpoint
         self.engine = None
         self.dead: str | None = None
         self._tracked: dict[str, _Tracked] = {}
@@ -83,10 +105,15 @@ class EngineCore:
         """Build the engine, then serve until told to stop (or the engine breaks)."""
         try:
             self.engine = (self._engine_factory or LLMEngine)(self.config)
+            if self.options.kv_events_endpoint is not None:
+                self._start_kv_events()
         except BaseException as e:
+            if self.engine is not None:
+                self.engine.shutdown()
             self._emit([("startup_error", e)])
             return
-        self._emit([("ready", None)])
+        bm = self.engine.block_manager
+        self._emit([("ready", KVCacheInfo(bm.num_blocks, bm.block_size))])
         try:
             self._loop()
         except BaseException as e:  # a bug here must not leave clients hanging
@@ -99,6 +126,16 @@ class EngineCore:
                 self.engine.shutdown()
             except Exception:
                 logger.exception("engine shutdown failed")
+            if self.kv_events is not None:
+                self.kv_events.close()
+
+    def _start_kv_events(self):
+        from nanovllm.engine.kv_events import KVEventPublisher  # pyzmq and msgspec: only when asked for
+        o = self.options
+        bm = self.engine.block_manager
+        self.kv_events = KVEventPublisher(o.kv_events_endpoint, o.kv_events_topic, o.index, bm.block_size,
+                                          "GPU" if self.config.device.type == "cuda" else "CPU", o.kv_events_format)
+        bm.observer = self.kv_events
 
     def _die(self, reason: str):
         self.dead = reason
@@ -335,6 +372,8 @@ class EngineCore:
         return speculator.stats.as_dict() if speculator.enabled else None
 
     def _flush(self):
+        if self.kv_events is not None:
+            self.kv_events.flush()  # what this pass stored in and evicted from the prefix cache
         events, self._events = self._events, []
         # A pass with nothing but fresh stats says nothing new: skip it (an idle loop stays silent).
         if any(event[0] != "stats" for event in events):

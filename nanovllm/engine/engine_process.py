@@ -1,13 +1,15 @@
 """The engine process's side of the pipe to the server: an EngineCore whose inbox and outbox are
 the pipe's ends (started by `AsyncLLMEngine` with multiprocessing's spawn)."""
 import logging
+import os
 import pickle
 import queue
 import signal
 import threading
+from multiprocessing import connection, parent_process
 
 from nanovllm.config import Config
-from nanovllm.engine.engine_core import EngineCore
+from nanovllm.engine.engine_core import CoreOptions, EngineCore
 from nanovllm.engine.request_output import coalesce_outputs
 
 
@@ -90,17 +92,37 @@ class PipeOutbox:
         self._sender.join(self._FLUSH_TIMEOUT_S)
 
 
-def engine_process_main(conn, config: Config, engine_factory, log_level: int):
+def engine_process_main(conn, config: Config, engine_factory, log_level: int, options: CoreOptions | None = None):
     """The engine process: one EngineCore over the pipe. Ctrl-C reaches the whole process group,
     and service managers (systemd) send SIGTERM to every process of the service; the parent decides
     how to shut down (a drain lets requests finish), so both are ignored here. The process stops
-    when told to, or when its parent is gone (the pipe closes)."""
+    when told to, or when its parent is gone: the pipe closes, and a watcher thread ends the process
+    at once even while a step runs (a server killed with SIGKILL leaves no engine behind)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    _exit_with_parent()
     logging.basicConfig(level=log_level, format="%(levelname)s %(asctime)s %(name)s: %(message)s")
+    options = options or CoreOptions()
+    if options.cpu_threads is not None:
+        import torch
+        torch.set_num_threads(options.cpu_threads)  # the cores of a data-parallel server share the host's
     outbox = PipeOutbox(conn)
     try:
-        EngineCore(config, PipeInbox(conn), outbox.emit, engine_factory).run()
+        EngineCore(config, PipeInbox(conn), outbox.emit, engine_factory, options).run()
     finally:
         outbox.close()
         conn.close()
+
+
+def _exit_with_parent():
+    """A watcher thread waits on the parent process's sentinel (closed by the kernel however the
+    parent ends) and exits this process then; its own tensor-parallel workers watch it likewise."""
+    parent = parent_process()
+    if parent is None:
+        return
+
+    def watch():
+        connection.wait([parent.sentinel])
+        os._exit(1)
+
+    threading.Thread(target=watch, name="nanovllm-parent-watch", daemon=True).start()

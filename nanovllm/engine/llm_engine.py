@@ -171,7 +171,10 @@ class LLMEngine:
 
         A batch with rows under a grammar launches its forward pass alone: the masks of its draw
         depend on the previous step's tokens, so they are filled once those are taken in, while
-        the forward pass runs, and the draw is launched then (overlap stays on).
+        the forward pass runs (overlap stays on). With overlap, the draw is launched at the next
+        step, once that step is scheduled: the scheduling, and the host's work up to the masks,
+        then overlap the forward pass, and the next forward pass follows the draw on the device
+        at once (launched last, the draw would leave the device idle while the host schedules).
 
         Speculative decoding: drafts continue a sequence's newest tokens, and how many tokens a
         verification step adds to each sequence is known only from its results. So a step that
@@ -188,6 +191,8 @@ class LLMEngine:
                 finished = self.drain()
                 drafts = self.speculator.propose(running, self.block_manager)
             batch = self.scheduler.schedule(drafts)
+            if self._in_flight is not None:
+                self._launch_draw(self._in_flight[1])  # before this step's forward pass: it reads the tokens
             launched = None
             if batch is not None:
                 output = self.model_runner.execute(batch, defer_sampling=self.structured.needs_masks(batch.seqs))
@@ -203,9 +208,8 @@ class LLMEngine:
                 earlier, self._in_flight = self._in_flight, (launched if stays_in_flight else None)
             if earlier is not None:
                 finished += self._process(*earlier)
-            if launched is not None and launched[1].awaits_masks:
-                self.model_runner.sample(launched[1], self.structured.fill_masks)
             if launched is not None and not stays_in_flight:
+                self._launch_draw(launched[1])
                 finished += self._process(*launched)
         except BaseException:
             self._in_flight = None
@@ -216,6 +220,11 @@ class LLMEngine:
         if batch.spec is not None:  # a verifying sequence's tokens are decode tokens too
             decode += sum(len(d) + 1 for d in batch.spec if d)
         return finished, batch.num_tokens - decode, decode
+
+    def _launch_draw(self, output):
+        """Fill the masks of a step whose draw awaits them and launch it (nothing for other steps)."""
+        if output.awaits_masks:
+            self.model_runner.sample(output, self.structured.fill_masks)
 
     def _process(self, batch, output) -> list[Sequence]:
         if output.drafts is not None:
@@ -282,7 +291,10 @@ class LLMEngine:
     def drain(self) -> list[Sequence]:
         """Take in the results of the step still in flight, if any."""
         done, self._in_flight = self._in_flight, None
-        return self._process(*done) if done is not None else []
+        if done is None:
+            return []
+        self._launch_draw(done[1])
+        return self._process(*done)
 
     def shutdown(self):
         speculator = getattr(self, "speculator", None)

@@ -5,8 +5,9 @@ fetched later, so on a GPU the host prepares the next step while this one runs.
 A step under grammars (structured outputs) launches in two parts: `execute(batch,
 defer_sampling=True)` launches the forward pass (and prepares the sampling parameters, as of the
 batch's launch), and `sample(output, fill_masks)`, called once the engine has taken in the
-previous step's tokens, has the grammar fill the bitmasks into pinned memory, sends them in one
-copy and launches the draw, while the forward pass runs on the device."""
+previous step's tokens (on a GPU: at the next step, before its forward pass), has the grammar fill
+the bitmasks into pinned memory, sends them in one copy and launches the draw, while the forward
+pass runs on the device."""
 from dataclasses import dataclass
 from operator import attrgetter
 

@@ -76,21 +76,26 @@ class RemoteServer:
     def metrics_text(self) -> str:
         return httpx.get(self.url + "/metrics", headers=self.headers(), timeout=10).text
 
-    def metrics(self) -> dict[str, float]:
+    def metrics(self, engine: str = "0") -> dict[str, float]:
         """/metrics through prometheus_client's parser: {sample name: value} for the samples of
-        engine 0, keyed with their other labels where they have some, e.g.
+        one engine core, keyed with their other labels where they have some, e.g.
         'vllm:request_success_total{finished_reason="abort"}'."""
-        return engine_samples(self.metrics_text())
+        return engine_samples(self.metrics_text(), engine)
 
     def wait_idle(self, timeout: float = 10.0) -> dict[str, float]:
-        """Metrics once nothing runs, waits or holds KV blocks (aborts land asynchronously)."""
+        """Engine 0's metrics once nothing runs, waits or holds KV blocks (aborts land asynchronously)."""
+        return self.wait_all_idle(("0",), timeout)["0"]
+
+    def wait_all_idle(self, engines=("0",), timeout: float = 10.0) -> dict[str, dict[str, float]]:
+        """{engine: its metrics} once no engine core runs, queues or holds KV blocks."""
         deadline = time.monotonic() + timeout
         while True:
-            m = self.metrics()
-            idle = (m["vllm:num_requests_running"] == 0 and m["vllm:num_requests_waiting"] == 0
-                    and m["vllm:kv_cache_usage_perc"] == 0)
+            text = self.metrics_text()
+            ms = {e: engine_samples(text, e) for e in engines}
+            idle = all(m["vllm:num_requests_running"] == 0 and m["vllm:num_requests_waiting"] == 0
+                       and m["vllm:kv_cache_usage_perc"] == 0 for m in ms.values())
             if idle or time.monotonic() > deadline:
-                return m
+                return ms
             time.sleep(0.05)
 
     def stop(self, sig=signal.SIGTERM, timeout: float = 15.0) -> int:

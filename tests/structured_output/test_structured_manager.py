@@ -61,9 +61,11 @@ def test_masks_only_for_constrained_rows_and_equal_to_xgrammars(tokenizer):
     assert m.num_live == 2 and m.needs_masks([free, constrained]) and not m.needs_masks([free])
     rows, allowed = _fill(m, [free, constrained, done])
     assert rows.tolist() == [-1, 0, -1] and allowed.shape[0] == 1
-    reference = xgr.allocate_token_bitmask(1, VOCAB)
+    tokens = m.compiler.vocab_size  # xgrammar's vocabulary: the tokenizer's, the model's rows beyond never allowed
+    assert tokens == len(tokenizer) < VOCAB
+    reference = xgr.allocate_token_bitmask(1, tokens)
     xgr.GrammarMatcher(m.compiler.compile(choice)).fill_next_token_bitmask(reference)
-    assert torch.equal(allowed[0], unpack_bitmask(reference, VOCAB)[0])
+    assert torch.equal(allowed[0][:tokens], unpack_bitmask(reference, tokens)[0]) and not allowed[0][tokens:].any()
     assert all("Paris".startswith(t) or "Berlin".startswith(t) for t in _allowed_text(tokenizer, allowed[0]))
     m.release(constrained)
     m.release(done)
@@ -89,6 +91,34 @@ def test_a_finished_grammar_allows_only_eos_and_rejections_are_reported(tokenize
     other = _seq(tokenizer, m, structured_outputs=StructuredOutputsParams(choice=["Paris"]))
     bad = tokenizer.encode("Berlin")[0]
     assert m.advance([other], [bad]) == [other]
+
+
+def test_an_eos_beyond_the_tokenizer_only_ends_a_finished_grammar(tokenizer):
+    """A model's eos in its padding rows (a random model's config over a small tokenizer): xgrammar is
+    told only of the tokenizer's stop tokens (an id beyond its vocabulary would be written past the
+    mask), the grammar ends with those, and a finished grammar allows both."""
+    beyond = VOCAB - 1
+    m = StructuredOutputs(tokenizer, VOCAB, {tokenizer.eos_token_id, beyond})
+    assert beyond >= m.compiler.vocab_size and m.compiler.stop_token_ids == [tokenizer.eos_token_id]
+    seq = _seq(tokenizer, m, structured_outputs=StructuredOutputsParams(choice=["Paris"]), ignore_eos=True)
+    _feed_text(tokenizer, m, seq, "Paris")
+    rows, allowed = _fill(m, [seq])
+    assert allowed[0].nonzero().flatten().tolist() == [tokenizer.eos_token_id]
+    assert m.advance([seq], [tokenizer.eos_token_id]) == [] and seq.grammar.phase == Phase.TERMINATED
+    rows, allowed = _fill(m, [seq])
+    assert allowed[0].nonzero().flatten().tolist() == sorted([tokenizer.eos_token_id, beyond])
+    # One buffer kept, as the runner keeps its own, dirty at first (its warm-up allows every token):
+    # the finished grammar's row, then an open grammar's in the same place, allows nothing beyond.
+    masks, rows = torch.full((2, m.words), -1, dtype=torch.int32), np.zeros(2, dtype=np.int32)
+    fresh = _seq(tokenizer, m, structured_outputs=StructuredOutputsParams(choice=["Paris"]))
+    for seqs in ([seq], [fresh], [seq, fresh], [fresh, seq], [fresh]):
+        assert m.fill_masks(seqs, rows, masks) == len(seqs)
+        for k, s in enumerate(seqs):
+            allowed = unpack_bitmask(masks[k:k + 1], VOCAB)[0].nonzero().flatten().tolist()
+            if s is seq:
+                assert allowed == sorted([tokenizer.eos_token_id, beyond])
+            else:
+                assert allowed and max(allowed) < m.compiler.vocab_size
 
 
 def test_min_tokens_keeps_eos_out_unless_nothing_else_is_left(tokenizer):
@@ -147,3 +177,28 @@ def test_no_tokenizer_is_a_clear_error():
     m.check(SamplingParams())  # unconstrained: fine
     with pytest.raises(ValueError, match="need the model's tokenizer"):
         m.check(SamplingParams(structured_outputs=StructuredOutputsParams(regex="a")))
+
+
+def test_fill_and_accept_on_threads_equal_one_thread(tokenizer):
+    """Batches large enough to be cut across threads: every row's mask and every accept as on one
+    thread, rows in any state (interleaved slices), the rows beyond the tokenizer never allowed."""
+    from nanovllm.structured_output.threads import MIN_ROWS_PER_THREAD
+    schema = StructuredOutputsParams(json={"type": "object", "properties": {"a": {"type": "string"}},
+                                           "required": ["a"]})
+    one, two = _manager(tokenizer), StructuredOutputs(tokenizer, VOCAB, {tokenizer.eos_token_id}, num_threads=2)
+    n = 2 * MIN_ROWS_PER_THREAD + 3
+    texts = [('{', '{"a": "x', '{"a": "xy"')[i % 3] for i in range(n)]  # three states
+    rows_masks = []
+    for m in (one, two):
+        seqs = [_seq(tokenizer, m, structured_outputs=schema) for _ in range(n)]
+        prefixes = [tokenizer.encode(t) for t in texts]
+        for step in range(max(map(len, prefixes))):  # batched accepts of unequal prefixes
+            live = [(s, p[step]) for s, p in zip(seqs, prefixes) if step < len(p)]
+            assert m.advance([s for s, _ in live], [t for _, t in live]) == []
+        rows_masks.append(_fill(m, seqs))
+    assert two.threads.num_threads == 2
+    (rows1, allowed1), (rows2, allowed2) = rows_masks
+    assert rows1.tolist() == rows2.tolist() == list(range(n))
+    assert torch.equal(allowed1, allowed2)
+    assert not allowed2[:, len(tokenizer):].any() and allowed2[:, :len(tokenizer)].any(dim=1).all()
+    assert all(not torch.equal(allowed2[i], allowed2[j]) for i, j in ((0, 1), (1, 2), (0, 2)))  # per-row masks

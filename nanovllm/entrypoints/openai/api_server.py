@@ -1,7 +1,10 @@
 """`nanovllm serve`: an OpenAI-compatible HTTP server (FastAPI + uvicorn) on AsyncLLMEngine.
 
-Endpoints: GET /health, GET /metrics (Prometheus), GET /v1/models, POST /v1/completions,
-POST /v1/chat/completions (both with `stream`). Listens on 127.0.0.1 unless told otherwise.
+Endpoints: GET /health (liveness: 200 while an engine core serves, saying which are down), GET /ready
+(readiness: 503 while draining or when no core serves), GET /metrics (Prometheus), GET /v1/models,
+POST /v1/completions, POST /v1/chat/completions (both with `stream`). Listens on 127.0.0.1 unless
+told otherwise. With --data-parallel-size N, N engine cores behind this one front end
+(engine/data_parallel.py).
 Before the app: http_guard.py (authentication, the drain, body bounds and timeouts); around it:
 http_server.py (a deadline for request heads, the drain on SIGTERM).
 """
@@ -20,6 +23,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from nanovllm.config import Config
 from nanovllm.engine.async_engine import AsyncLLMEngine
+from nanovllm.engine.data_parallel import DataParallelEngine, check_data_parallel
 from nanovllm.entrypoints.openai.http_guard import RETRY_AFTER_S, Admission, GuardMiddleware
 from nanovllm.entrypoints.openai.http_server import Server, guarded_h11
 from nanovllm.entrypoints.openai.metrics import ServerMetrics
@@ -48,7 +52,7 @@ def add_serve_arguments(p: argparse.ArgumentParser):
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1, this machine only)")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--api-key", default=None,
-                   help=f"require 'Authorization: Bearer KEY' on every endpoint but /health (or set ${API_KEY_ENV})")
+                   help=f"require 'Authorization: Bearer KEY' on every endpoint but /health and /ready (or set ${API_KEY_ENV})")
     p.add_argument("--served-model-name", nargs="+", default=None,
                    help="name(s) clients use in `model` (default: the MODEL argument, or the default model's name)")
     p.add_argument("--max-waiting", type=int, default=1024,
@@ -68,6 +72,18 @@ def add_serve_arguments(p: argparse.ArgumentParser):
     p.add_argument("--shutdown-timeout", type=float, default=30.0,
                    help="on SIGTERM/SIGINT: seconds the requests in flight may take to finish while new ones get "
                         "503; then they end with finish_reason 'abort' (default: 30)")
+    p.add_argument("--data-parallel-size", "-dp", type=int, default=1,
+                   help="engine cores behind this server, each with a replica of the model and a KV cache of its "
+                        "own (on CUDA: --tensor-parallel-size devices each, from --device on; on the CPU: they "
+                        "split the cores); requests go to the least loaded, or to one holding their prefix")
+    p.add_argument("--kv-events-endpoint", default=None,
+                   help="publish KV-cache block events (vLLM's format, msgpack over ZMQ PUB) for prefix-aware "
+                        "routers: tcp://*:PORT binds, tcp://HOST:PORT connects; engine core i uses PORT+i "
+                        "(needs pip install 'nanovllm[kv_events]')")
+    p.add_argument("--kv-events-topic", default="", help="the ZMQ topic of the KV-cache events (default: none)")
+    p.add_argument("--kv-events-format", default="array", choices=["array", "map"],
+                   help="how events are encoded: 'array' (vLLM up to 0.10, llm-d's indexer) or 'map' (tagged maps, "
+                        "later vLLM) (default: array)")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     p.add_argument("--access-log", action="store_true", help="log every HTTP request")
     g = p.add_argument_group("engine options (nanovllm.config.Config)")
@@ -97,7 +113,8 @@ def add_serve_arguments(p: argparse.ArgumentParser):
 
 
 # ---- the app --------------------------------------------------------------------------------
-def build_app(engine: AsyncLLMEngine, model_names: list[str], metrics: ServerMetrics | None = None,
+def build_app(engine: AsyncLLMEngine | DataParallelEngine, model_names: list[str],
+              metrics: ServerMetrics | None = None,
               api_key: str | None = None, max_body_bytes: int = 8 << 20, body_timeout: float | None = None,
               admission: Admission | None = None) -> FastAPI:
     from nanovllm.engine.tokenizer import load_tokenizer
@@ -132,13 +149,34 @@ def build_app(engine: AsyncLLMEngine, model_names: list[str], metrics: ServerMet
         logger.exception("unhandled error", exc_info=exc)
         return JSONResponse(APIError(f"internal server error: {type(exc).__name__}", 500).body(), 500)
 
+    def engine_report() -> list[dict]:
+        return [{"engine": str(i), "status": "ok"} if reason is None else
+                {"engine": str(i), "status": "down", "reason": reason} for i, reason in engine.core_states()]
+
     @app.get("/health")
     async def health():
+        """Liveness: 200 while at least one engine core serves (a degraded server says which are down)."""
+        report = engine_report()
         if not engine.healthy:
-            return JSONResponse({"status": "unhealthy", "reason": engine.dead or "the engine is stopped"}, 503)
+            return JSONResponse({"status": "unhealthy", "reason": engine.dead or "the engine is stopped",
+                                 "engines": report}, 503)
         if admission.draining or not engine.accepting:
             return JSONResponse({"status": "shutting down"}, 503)
-        return {"status": "ok"}
+        if any(e["status"] != "ok" for e in report):
+            return {"status": "degraded", "engines": report}
+        return {"status": "ok", "engines": report} if len(report) > 1 else {"status": "ok"}
+
+    @app.get("/ready")
+    async def ready():
+        """Readiness (a load balancer's or Kubernetes' readinessProbe): 503 while draining or when no
+        engine core serves, so traffic goes elsewhere."""
+        if not engine.healthy:
+            reason = engine.dead or "the engine is stopped"
+        elif admission.draining or not engine.accepting:
+            reason = "the server is shutting down"
+        else:
+            return {"status": "ready"}
+        return JSONResponse({"status": "not ready", "reason": reason}, 503, headers={"Retry-After": str(RETRY_AFTER_S)})
 
     @app.get("/metrics")
     async def get_metrics(raw: Request):
@@ -191,12 +229,20 @@ def run_server(args) -> int:
     api_key = args.api_key or os.environ.get(API_KEY_ENV) or None
     names = args.served_model_name or [args.model if args.model is not None else DEFAULT_MODEL_NAME]
     config = engine_config(args)  # bad options fail here, before the model loads
-    limit_concurrency = args.limit_concurrency or args.max_waiting + config.max_num_seqs + _CONNECTIONS_HEADROOM
+    dp = args.data_parallel_size
+    check_data_parallel(config, dp)
+    if args.kv_events_endpoint is not None:
+        _check_kv_events(args.kv_events_endpoint, dp)
+    limit_concurrency = args.limit_concurrency or \
+        (args.max_waiting + config.max_num_seqs) * dp + _CONNECTIONS_HEADROOM
     _raise_open_files_limit(limit_concurrency)
     spec = config.speculative_config
     metrics = ServerMetrics(names[0], config.max_model_len, spec.num_speculative_tokens if spec is not None else 0)
-    engine = AsyncLLMEngine(config, max_waiting=args.max_waiting, listener=metrics.engine_listener(0))
-    logger.info("loading %s (%s) on %s", names[0], config.model, config.device)
+    engine = DataParallelEngine(config, dp, args.max_waiting, [metrics.engine_listener(i) for i in range(dp)],
+                                kv_events_endpoint=args.kv_events_endpoint, kv_events_topic=args.kv_events_topic,
+                                kv_events_format=args.kv_events_format)
+    logger.info("loading %s (%s) on %s%s", names[0], config.model, config.device,
+                f" ({dp} engine cores)" if dp > 1 else "")
     engine.start()
     admission = Admission()
     app = build_app(engine, names, metrics, api_key, args.max_body_bytes, args.timeout_body, admission)
@@ -212,6 +258,19 @@ def run_server(args) -> int:
     finally:
         engine.shutdown()
     return 0
+
+
+def _check_kv_events(endpoint: str, dp: int):
+    try:
+        import msgspec  # noqa: F401
+        import zmq  # noqa: F401
+    except ImportError as e:
+        raise ValueError(f"--kv-events-endpoint needs pyzmq and msgspec ({e}): pip install 'nanovllm[kv_events]'") \
+            from None
+    from nanovllm.engine.kv_events import check_endpoint, endpoint_for_rank
+    check_endpoint(endpoint)
+    for rank in range(dp):
+        endpoint_for_rank(endpoint, rank)
 
 
 def _raise_open_files_limit(connections: int):

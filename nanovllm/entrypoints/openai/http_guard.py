@@ -13,8 +13,8 @@ import json
 
 from nanovllm.entrypoints.openai.protocol import APIError
 
-UNAUTHENTICATED_PATHS = ("/health",)  # probes work without credentials
-ALWAYS_SERVED_PATHS = ("/health", "/metrics")  # answered while draining, and not counted as in flight
+UNAUTHENTICATED_PATHS = ("/health", "/ready")  # probes work without credentials
+ALWAYS_SERVED_PATHS = ("/health", "/ready", "/metrics")  # answered while draining, and not counted as in flight
 RETRY_AFTER_S = 2  # what a 503 tells clients to wait (the queue moves; or another replica answers)
 _TRIM_AFTER_BYTES = 1 << 20  # bodies this large leave freed memory that malloc keeps: return it
 

@@ -15,6 +15,7 @@ Adding a metric: a row in `_SNAPSHOT_METRICS` for an EngineStats field, or a met
 `ServerMetrics` and a handler in `EngineMetrics` for a new kind of engine event.
 """
 import bisect
+import dataclasses
 import threading
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, disable_created_metrics
@@ -169,7 +170,7 @@ class EngineMetrics:
             setattr(self, name, getattr(server, name).labels(*labels))
         self.token_gaps = WeightedHistogram(TOKEN_GAP_BUCKETS)
         self._handlers = {"stats": self._on_stats, "tokens": self._on_tokens, "token_gaps": self._on_token_gaps,
-                          "ttft": self._on_ttft, "finished": self._on_finished}
+                          "ttft": self._on_ttft, "finished": self._on_finished, "dead": self._on_dead}
 
     def record(self, events: list):
         handlers = self._handlers
@@ -180,6 +181,11 @@ class EngineMetrics:
 
     def _on_stats(self, stats: EngineStats):
         self.stats = stats  # one assignment: a scrape sees one snapshot
+
+    def _on_dead(self, _reason: str):
+        """The core stopped serving: it runs nothing, queues nothing and holds no KV cache any more
+        (its counters keep their last values: counters never go back)."""
+        self.stats = dataclasses.replace(self.stats, num_running=0, num_waiting=0, kv_cache_usage=0.0)
 
     def _on_tokens(self, prompt: int, generated: int):
         if prompt:
