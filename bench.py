@@ -92,8 +92,8 @@ class ScheduleRecorder:
         self.times = []  # perf_counter at each scheduled step: the gaps are step times once the GPU is busy
         inner = scheduler.schedule
 
-        def schedule():
-            batch = inner()
+        def schedule(*args, **kwargs):  # the scheduler's own arguments (a speculative step's drafts)
+            batch = inner(*args, **kwargs)
             if batch is not None:
                 self.times.append(time.perf_counter())
                 self._num_decodes.append(batch.num_decodes)

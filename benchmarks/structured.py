@@ -207,7 +207,7 @@ def host_compare(tokenizer_dir: str, vocab_size: int | None = None, max_rows: in
     threads (where more than one), alternated `repeat` times; per arm and row count the fastest
     run's figures."""
     from nanovllm.structured_output.threads import default_num_threads
-    arms = sorted({1, default_num_threads()})
+    arms = sorted({1, 8, default_num_threads()})  # the default (one thread) against a pool of 8
     rows = sorted({1 << i for i in range(max_rows.bit_length()) if 1 << i <= max_rows} | {max_rows})
     runs = {t: [] for t in arms}
     for _ in range(repeat):
