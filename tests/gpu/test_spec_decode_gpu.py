@@ -6,7 +6,10 @@ import pytest
 from nanovllm import LLM, SamplingParams
 
 PROMPTS = [[5, 6, 7, 8, 9, 10, 11, 12] * 5, [100, 101, 102] * 8 + [7], list(range(30, 70)), [3, 4] * 10] * 3
-PARAMS = ([SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)] * 6
+# The first request runs 48 tokens past the others: a long tail below disable_by_batch_size, where the
+# overlapped engine proposes (a short tail, a few tokens, can pass without a draft).
+PARAMS = ([SamplingParams(temperature=0, max_tokens=96, ignore_eos=True)]
+          + [SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)] * 5
           + [SamplingParams(temperature=0.8, seed=i, max_tokens=32 + 4 * i, ignore_eos=True, top_k=50)
              for i in range(6)])
 KW = dict(dtype="float32", max_model_len=512, max_num_seqs=32, gpu_memory_utilization=0.2)
