@@ -284,3 +284,18 @@ def make_fp8_model(path: str, ref_path: str, seed: int = 0, kv_scales: dict | No
     with open(os.path.join(path, "config.json"), "w") as f:
         json.dump(cfg, f)
     return path
+
+
+def long_context_copy(model_dir: str, dest: str, positions: int = 8192) -> str:
+    """A copy of a tiny model that allows `positions` positions (rotary weights do not depend on the
+    length): requests long enough that no machine finishes them within a test's time window."""
+    import json
+    import shutil
+    shutil.copytree(model_dir, dest)
+    with open(f"{dest}/config.json") as f:
+        config = json.load(f)
+    config["max_position_embeddings"] = positions
+    with open(f"{dest}/config.json", "w") as f:
+        json.dump(config, f)
+    return dest
+

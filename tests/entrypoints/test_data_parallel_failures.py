@@ -11,7 +11,7 @@ import time
 
 import httpx
 
-from helpers import descendants, running
+from helpers import descendants, long_context_copy, running
 from openai_server_utils import RemoteServer, engine_samples
 
 
@@ -46,13 +46,17 @@ def _request(url: str, body: dict, out: dict, started: threading.Event):
         out["events"] = events
 
 
-def test_a_killed_core_fails_only_its_requests_and_nothing_outlives_the_server(model_factory):
-    server = RemoteServer([model_factory("qwen3"), "--device", "cpu", "--dtype", "float32", "--max-num-seqs", "16",
+LOAD = 2000  # tokens of each request of the load: still running when the metrics are read, on any machine
+
+
+def test_a_killed_core_fails_only_its_requests_and_nothing_outlives_the_server(model_factory, tmp_path):
+    model_dir = long_context_copy(model_factory("qwen3"), str(tmp_path / "qwen3-4k"), 4096)
+    server = RemoteServer([model_dir, "--device", "cpu", "--dtype", "float32", "--max-num-seqs", "16",
                            "--kv-cache-memory-bytes", str(16 << 20), "--data-parallel-size", "2"])
     try:
         model = server.client().models.list().data[0].id
         url = server.url + "/v1/completions"
-        base = {"model": model, "max_tokens": 250, "ignore_eos": True}
+        base = {"model": model, "max_tokens": LOAD, "ignore_eos": True}
         bodies = [{**base, "prompt": [3 + i, 4, 5], "stream": i % 3 != 2} for i in range(8)]
         outs = [{} for _ in bodies]
         starts = [threading.Event() for _ in bodies]
@@ -93,7 +97,7 @@ def test_a_killed_core_fails_only_its_requests_and_nothing_outlives_the_server(m
                 assert "killed by signal SIGKILL" in out["body"]["error"]["message"], out
             else:
                 ok += 1
-                assert out["status"] == 200 and out["body"]["usage"]["completion_tokens"] == 250
+                assert out["status"] == 200 and out["body"]["usage"]["completion_tokens"] == LOAD
         assert failed >= 1 and ok >= 1 and failed + ok == len(bodies), (failed, ok)
 
         # The survivor serves every new request; the probes say what happened.

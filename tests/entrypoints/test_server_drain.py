@@ -6,14 +6,13 @@ The long requests (8000 tokens, on a copy of the tiny model that allows 8192 pos
 finish within the timeout on a CPU: the tiny model takes well over 1 ms a step there (1000 tokens
 once did finish in time on a fast CI machine)."""
 import json
-import shutil
 import signal
 import threading
 import time
 
 import httpx
 
-from helpers import descendants, running
+from helpers import descendants, long_context_copy, running
 from openai_server_utils import TINY_ARGS, RemoteServer
 
 SHUTDOWN_TIMEOUT_S = 4.0
@@ -41,19 +40,8 @@ def _finish_reasons(chunks: list[dict]) -> dict[int, str]:
     return {c["index"]: c["finish_reason"] for chunk in chunks for c in chunk["choices"] if c.get("finish_reason")}
 
 
-def _long_context_copy(model_dir: str, dest: str) -> str:
-    """The tiny model with 8192 positions (rotary weights do not depend on the length)."""
-    shutil.copytree(model_dir, dest)
-    with open(f"{dest}/config.json") as f:
-        config = json.load(f)
-    config["max_position_embeddings"] = 8192
-    with open(f"{dest}/config.json", "w") as f:
-        json.dump(config, f)
-    return dest
-
-
 def test_sigterm_drains_then_exits_0(model_factory, tmp_path):
-    model_dir = _long_context_copy(model_factory("qwen3"), str(tmp_path / "qwen3-8k"))
+    model_dir = long_context_copy(model_factory("qwen3"), str(tmp_path / "qwen3-8k"))
     server = RemoteServer([model_dir, *TINY_ARGS, "--max-num-seqs", "8", "--max-model-len", "8192",
                            "--shutdown-timeout", str(SHUTDOWN_TIMEOUT_S)])
     try:
