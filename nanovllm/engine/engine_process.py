@@ -6,11 +6,11 @@ import pickle
 import queue
 import signal
 import threading
-from multiprocessing import connection, parent_process
 
 from nanovllm.config import Config
 from nanovllm.engine.engine_core import CoreOptions, EngineCore
 from nanovllm.engine.request_output import coalesce_outputs
+from nanovllm.worker.tp_worker import exit_with_parent
 
 
 class PipeInbox:
@@ -100,7 +100,7 @@ def engine_process_main(conn, config: Config, engine_factory, log_level: int, op
     at once even while a step runs (a server killed with SIGKILL leaves no engine behind)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    _exit_with_parent()
+    exit_with_parent()  # its own tensor-parallel workers watch it likewise
     logging.basicConfig(level=log_level, format="%(levelname)s %(asctime)s %(name)s: %(message)s")
     options = options or CoreOptions()
     if options.cpu_threads is not None:
@@ -112,17 +112,3 @@ def engine_process_main(conn, config: Config, engine_factory, log_level: int, op
     finally:
         outbox.close()
         conn.close()
-
-
-def _exit_with_parent():
-    """A watcher thread waits on the parent process's sentinel (closed by the kernel however the
-    parent ends) and exits this process then; its own tensor-parallel workers watch it likewise."""
-    parent = parent_process()
-    if parent is None:
-        return
-
-    def watch():
-        connection.wait([parent.sentinel])
-        os._exit(1)
-
-    threading.Thread(target=watch, name="nanovllm-parent-watch", daemon=True).start()

@@ -22,8 +22,7 @@ import triton
 import triton.language as tl
 
 from nanovllm.kernels.fp8 import FP8_DTYPE, quantize_to_fp8
-from nanovllm.kernels.fused_ops import _launch_opts, _rows, rms_norm_row, silu_mul
-from nanovllm.kernels.gemm import SplitKOutput
+from nanovllm.kernels.fused_ops import _launch_opts, _rows, norm_input, rms_norm_row, silu_mul
 from nanovllm.kernels.pdl import PDL_LAUNCH, pdl_prologue
 
 GROUP_SIZE = 128
@@ -145,15 +144,8 @@ def fused_add_rms_norm_quant(x, residual: torch.Tensor | None, weight: torch.Ten
     """`fused_ops.fused_add_rms_norm(x, residual, weight, eps)` (or `rms_norm` without a residual) with
     the normalised output in block FP8: returns (QuantizedActivation, new residual or None). x may
     be a `SplitKOutput` (with a residual), whose partials are summed on the way in."""
-    num_parts = stride_part = 0
-    if isinstance(x, SplitKOutput):
-        assert residual is not None and x.parts.is_contiguous()
-        num_parts, stride_part = x.parts.shape[0], x.parts.stride(0)
-        shape, dtype, x2 = x.shape, x.dtype, x.parts[0]
-    else:
-        shape, dtype, x2 = x.shape, x.dtype, _rows(x, x.shape[-1])
+    x2, shape, dtype, num_parts, stride_part = norm_input(x, residual, weight)
     n = shape[-1]
-    assert weight.shape == (n,), (weight.shape, n)
     y_dtype = torch.promote_types(weight.dtype, dtype)
     rows = x2.shape[0]
     out = empty_quantized(rows, n, y_dtype, x2.device)

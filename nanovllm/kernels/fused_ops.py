@@ -100,7 +100,9 @@ def _out_rows(out, shape, dtype, device, n):
     return out, rows
 
 
-def _rms_norm_launch(x, residual, weight, eps, out, residual_out):
+def norm_input(x, residual, weight):
+    """What an RMSNorm kernel reads of x: (x2 [rows, n] (a SplitKOutput's first partial), x's shape,
+    its dtype, the number of partials to sum and their stride; 0, 0 for a plain tensor)."""
     num_parts = stride_part = 0
     if isinstance(x, SplitKOutput):
         assert residual is not None and x.parts.is_contiguous()
@@ -108,8 +110,13 @@ def _rms_norm_launch(x, residual, weight, eps, out, residual_out):
         shape, dtype, x2 = x.shape, x.dtype, x.parts[0]
     else:
         shape, dtype, x2 = x.shape, x.dtype, _rows(x, x.shape[-1])
+    assert weight.shape == (shape[-1],), (weight.shape, shape[-1])
+    return x2, shape, dtype, num_parts, stride_part
+
+
+def _rms_norm_launch(x, residual, weight, eps, out, residual_out):
+    x2, shape, dtype, num_parts, stride_part = norm_input(x, residual, weight)
     n = shape[-1]
-    assert weight.shape == (n,), (weight.shape, n)
     weight = weight.contiguous()
     # `weight * y` with y in x's dtype: the result has the promoted dtype (== x.dtype in the model).
     y_dtype = torch.promote_types(weight.dtype, dtype)

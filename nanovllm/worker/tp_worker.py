@@ -31,7 +31,7 @@ def rank_device(device: torch.device, rank: int) -> torch.device:
 def worker_main(rank: int, config, port: int, timeout_s: float, conn):
     # Ctrl-C reaches the whole process group: leave it to rank 0, which stops the workers cleanly.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    _exit_with_parent()
+    exit_with_parent()
     try:
         from nanovllm import distributed
         from nanovllm.worker.model_runner import ModelRunner
@@ -68,9 +68,10 @@ def worker_main(rank: int, config, port: int, timeout_s: float, conn):
             os._exit(1)
 
 
-def _exit_with_parent():
-    """Die if rank 0's process dies, even while blocked inside a collective (where the pipe's
-    EOF would go unnoticed): a watcher thread waits on the parent's sentinel."""
+def exit_with_parent():
+    """Die if the parent process dies (a worker's rank 0, an engine core's server), even while blocked
+    inside a collective (where a pipe's EOF would go unnoticed): a watcher thread waits on the
+    parent's sentinel, which the kernel closes however the parent ends."""
     parent = parent_process()
     if parent is None:
         return
