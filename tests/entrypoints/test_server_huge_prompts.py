@@ -73,7 +73,9 @@ def test_health_answers_while_huge_prompts_are_refused(tiny_server):
     done.set()
     prober.join(10)
     assert refused == ["prompt", "messages", "prompt"]
-    assert len(health) > 3 and max(health) < 0.5, health
+    # However fast the refusals go (a fast machine ends them within a few probes), every probe
+    # taken meanwhile answered at once.
+    assert health and max(health) < 0.5, health
     assert small["response"].status_code == 200 and small["seconds"] < 5
 
 
