@@ -2,6 +2,7 @@
 
     python scripts/gpu_kernels.py fp8            # ~1-2 minutes on an H200
     python scripts/gpu_kernels.py fp8 --quick    # correctness only
+    python scripts/gpu_kernels.py fp8 --sweep    # the tile tables' candidates on Qwen3-8B's shapes
 
 GEMMs: Qwen3-8B's projections (and Qwen3-0.6B's) at decode and prefill row counts, our Triton W8A8
 kernel (the form the engine runs: dense qkv, gated gate_up writing block-FP8, split-K o/down) against
@@ -21,7 +22,7 @@ from triton.testing import do_bench, do_bench_cudagraph
 
 from nanovllm.kernels import paged_decode_attention
 from nanovllm.kernels import reference as ref
-from nanovllm.kernels.fp8_gemm import (MAX_TRITON_M, fp8_dense_config, fp8_gated_config, fp8_gated_linear,
+from nanovllm.kernels.fp8_gemm import (MAX_TRITON_M, Fp8GemmConfig, fp8_dense_config, fp8_gated_config, fp8_gated_linear,
                                        fp8_linear, fp8_partial_linear, fp8_splitk_config, library_available,
                                        library_scaled_mm)
 from nanovllm.kernels.fp8_quant import fused_add_rms_norm_quant, per_token_group_quant, silu_and_mul_quant
@@ -136,6 +137,57 @@ def timings(shapes, label, ms):
                   f" | torch._scaled_mm {t_lib:8.1f} | bf16 cuBLAS {t_bf16:8.1f} | table: {engine}", flush=True)
 
 
+def _candidates(form, m):
+    """Tiles worth timing for one form at m rows (the kernels' constraints: gated output in one group
+    per tile, split counts dividing K's blocks)."""
+    out = []
+    if m <= MAX_TRITON_M:  # weights-bound: one row of tiles; the column width, splits and stages matter
+        bm = 16 if m <= 16 else 64
+        for stages in (3, 4, 5, 6):
+            if form == "gated":
+                out += [Fp8GemmConfig(1, bm, 128, warps, stages) for warps in (4, 8)]
+            for bn in (32, 64) if form == "splitk" else (32, 64, 128) if form == "dense" else ():
+                out += [Fp8GemmConfig(splits, bm, bn, 4, stages) for splits in ((2, 4, 8) if form == "splitk" else (1,))]
+        return out
+    # Prefill-sized: compute-bound; the tile and the walk over the tiles (GROUP_M) matter.
+    for bm, warps_list in ((64, (4, 8)), (128, (8,))):
+        for warps in warps_list:
+            for stages in (3, 4):
+                out += [Fp8GemmConfig(1, bm, 128, warps, stages, group) for group in (1, 8, 32)]
+    return out
+
+
+def sweep(ms=(1, 2048)):
+    """Every candidate tile of each engine form on Qwen3-8B's projections; the table's pick and the best."""
+    print("\ntile sweep, Qwen3-8B projections: us per call (weights from HBM)")
+    for name, (n, k) in SHAPES_8B.items():
+        ws = _weights(n, k, COPIES)
+        for m in ms:
+            xq = per_token_group_quant(torch.randn(m, k, device=DEV).to(torch.bfloat16))
+            if name == "gate_up":
+                form, table = "gated", fp8_gated_config(m)
+                run = lambda c: [fp8_gated_linear(xq, w, s, c, True) for w, s, _ in ws]  # noqa: E731
+            elif name in ("o", "down") and fp8_splitk_config(m, k) is not None:
+                form, table = "splitk", fp8_splitk_config(m, k)
+                run = lambda c: [fp8_partial_linear(xq, w, s, c) for w, s, _ in ws]  # noqa: E731
+            else:
+                form, table = "dense", fp8_dense_config(m, n)
+                run = lambda c: [fp8_linear(xq, w, s, c) for w, s, _ in ws]  # noqa: E731
+            results = []
+            for c in dict.fromkeys([table, *_candidates(form, m)]):
+                if triton.cdiv(k, 128) % c.splits:
+                    continue
+                try:
+                    results.append((_time(lambda c=c: run(c), m), c))
+                except Exception as e:  # noqa: BLE001 - a tile that does not fit (shared memory): skip it
+                    print(f"  skip {c}: {type(e).__name__}: {str(e)[:80]}")
+            t_table = next(t for t, c in results if c == table)
+            results.sort()
+            print(f"M={m:5d} {name:>7} ({form}): table {t_table:8.1f} us {tuple(table)} | best {results[0][0]:8.1f} us "
+                  f"{tuple(results[0][1])} ({n * k / results[0][0] / 1e3:5.0f} GB/s) | next "
+                  + ", ".join(f"{t:.1f} {tuple(c)}" for t, c in results[1:4]), flush=True)
+
+
 def attention_timings():
     print("\ndecode attention (Qwen3 heads 16/8, D=128, block 256): bf16 vs FP8 cache, us per call")
     for batch, ctx in ((1, 1500), (64, 1000), (256, 1000)):
@@ -177,9 +229,13 @@ def quant_timings():
 def main(argv=None, prog=None):
     ap = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--sweep", action="store_true", help="time the tile candidates instead of the checks")
     args = ap.parse_args(argv)
     print(f"torch {torch.__version__}, triton {triton.__version__}, {torch.cuda.get_device_name()}; "
           f"block-scaled torch._scaled_mm: {'available' if library_available(DEV) else 'NOT available'}")
+    if args.sweep:
+        sweep()
+        return
     correctness(SHAPES_8B)
     if not args.quick:
         timings(SHAPES_8B, "Qwen3-8B projections", (1, 16, 32, 64, 128, 192, 256, 2048, 8192))

@@ -91,11 +91,22 @@ def fp8_mainloop(a_desc, a_ptr, as_ptr, w_desc, w_ptr, ws_ptr, M, W_ROWS, K, str
 def _fp8_gemm_kernel(a_desc, a_ptr, as_ptr, w_desc, w_ptr, ws_ptr, out_ptr, q_ptr, qs_ptr,
                      M, N, W_ROWS, K, stride_as, stride_ws, stride_om, stride_qs, up_row,
                      K_BLOCKS: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, GATED: tl.constexpr,
-                     PARTIALS: tl.constexpr, QUANT_OUT: tl.constexpr, TMA: tl.constexpr, OUT_TY: tl.constexpr):
+                     PARTIALS: tl.constexpr, QUANT_OUT: tl.constexpr, TMA: tl.constexpr, OUT_TY: tl.constexpr,
+                     GROUP_M: tl.constexpr):
     pdl_prologue()
-    pid_n = tl.program_id(0)
-    pid_m = tl.program_id(1)
-    pid_k = tl.program_id(2)
+    # Programs walk the tiles GROUP_M rows of tiles at a time, down the rows first: the programs in
+    # flight then share a few weight tiles and a few activation tiles (both stay in L2). Walking along
+    # N first re-reads every weight tile from HBM once per row of tiles (prefill: 32 times at 2k rows).
+    # A decode batch has one row of tiles: pid_n is the program id.
+    pid = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    tiles_m = tl.cdiv(M, BM)
+    tiles_n = tl.cdiv(N, BN)
+    per_group = GROUP_M * tiles_n
+    first_m = (pid // per_group) * GROUP_M
+    group_rows = tl.minimum(tiles_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % per_group) % group_rows
+    pid_n = (pid % per_group) // group_rows
     m0 = pid_m * BM
     n0 = pid_n * BN
     acc, acc_u = fp8_mainloop(a_desc, a_ptr, as_ptr, w_desc, w_ptr, ws_ptr, M, W_ROWS, K, stride_as, stride_ws,
@@ -124,6 +135,7 @@ class Fp8GemmConfig(NamedTuple):
     bn: int
     num_warps: int = 4
     num_stages: int = 3
+    group_m: int = 8  # rows of tiles walked together (the kernel's GROUP_M); no effect on one row
 
 
 _TL_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
@@ -132,7 +144,7 @@ _TL_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.floa
 def _launch(x: QuantizedActivation, weight, scale, out, n, config: Fp8GemmConfig, gated=False, partials=False,
             quant_out: QuantizedActivation | None = None):
     m, k = x.shape
-    splits, bm, bn, warps, stages = config
+    splits, bm, bn, warps, stages, group_m = config
     k_blocks = triton.cdiv(k, BLOCK_K)
     assert k_blocks % splits == 0, (k, config)
     # TMA operands for 64-row tiles (wgmma from shared memory, Hopper's usual FP8 path); 16-row tiles
@@ -144,11 +156,11 @@ def _launch(x: QuantizedActivation, weight, scale, out, n, config: Fp8GemmConfig
     else:
         a_desc = w_desc = x.data  # TMA=False never reads them
     q, qs = (quant_out.data, quant_out.scale) if quant_out is not None else (out, out)
-    _fp8_gemm_kernel[(triton.cdiv(n, bn), triton.cdiv(m, bm), splits)](
+    _fp8_gemm_kernel[(triton.cdiv(n, bn) * triton.cdiv(m, bm), splits)](
         a_desc, x.data, x.scale, w_desc, weight, scale, out, q, qs,
         m, n, weight.shape[0], k, x.scale.stride(0), scale.stride(0), out.stride(-2), qs.stride(0), n if gated else 0,
         K_BLOCKS=k_blocks // splits, BM=bm, BN=bn, GATED=gated, PARTIALS=partials, QUANT_OUT=quant_out is not None,
-        TMA=tma, OUT_TY=_TL_DTYPES[x.dtype], num_warps=warps, num_stages=stages, **PDL_LAUNCH)
+        TMA=tma, OUT_TY=_TL_DTYPES[x.dtype], GROUP_M=group_m, num_warps=warps, num_stages=stages, **PDL_LAUNCH)
 
 
 def _check(x: QuantizedActivation, weight: torch.Tensor, scale: torch.Tensor):
@@ -199,13 +211,16 @@ def fp8_gated_linear(x: QuantizedActivation, weight: torch.Tensor, scale: torch.
 
 
 # ---- tiles -----------------------------------------------------------------------------------
-# Fixed tables for the H200, from vLLM's tuned H200 tables of its block-FP8 Triton GEMM (N=12288 and
-# N=1536, K=7168): 16-row tiles up to 16 rows, 64-row tiles beyond, BK=128, 4-5 stages. A decode
-# batch fits one row of tiles (the weights are read once); the tiles along N are then as wide as
-# still gives about one program per SM (qkv of Qwen3-8B, N=6144: 32 columns, 192 programs). The gated
-# form computes two products per tile and quantizes its output per tile: 128 columns (one group), 8
-# warps for 64-row tiles to hold both fp32 accumulators and a block's products in registers.
-PREFILL_CONFIG = Fp8GemmConfig(1, 64, 128, 4, 3)  # where the library GEMM is unavailable
+# Fixed tables for the H200, started from vLLM's tuned H200 tables of its block-FP8 Triton GEMM
+# (16-row tiles up to 16 rows, 64-row tiles beyond, BK=128) and checked by `scripts/gpu_kernels.py fp8
+# --sweep` (2026-12-02, Qwen3-8B shapes, us per call at M=1 table before -> now: gate_up 41.0 -> 34.6
+# with 8 warps, down 17.5 -> 16.7 with 8 splits of 64 columns, o 7.9 -> 7.5; at M=2048 walking 32 rows
+# of tiles together 2-5% faster than 8 or 1). A decode batch fits one row of tiles (the weights are
+# read once); the tiles along N are then as wide as still gives about one program per SM (qkv of
+# Qwen3-8B, N=6144: 32 columns, 192 programs). The gated form computes two products per tile and
+# quantizes its output per tile: 128 columns (one group), 8 warps to hold both fp32 accumulators and
+# a block's products in registers.
+PREFILL_CONFIG = Fp8GemmConfig(1, 64, 128, 4, 3, 32)  # where the library GEMM is unavailable
 _MIN_PROGRAMS = 128
 
 
@@ -220,16 +235,20 @@ def fp8_dense_config(m: int, n: int) -> Fp8GemmConfig:
 
 def fp8_gated_config(m: int) -> Fp8GemmConfig:
     if m <= 16:
-        return Fp8GemmConfig(1, 16, 128, 4, 4)
-    return Fp8GemmConfig(1, 64, 128, 8, 3)
+        return Fp8GemmConfig(1, 16, 128, 8, 3)
+    return Fp8GemmConfig(1, 64, 128, 8, 3, 32 if m > MAX_TRITON_M else 8)
 
 
 def fp8_splitk_config(m: int, k: int) -> Fp8GemmConfig | None:
     """Split-K tiles for m rows (None: past MAX_SPLITK_M, or K's blocks do not divide)."""
     if m > MAX_SPLITK_M or m == 0:
         return None
-    config = Fp8GemmConfig(4, 16, 32, 4, 5) if m <= 16 else Fp8GemmConfig(4 if m <= 64 else 2, 64, 64, 4, 4)
-    return config if triton.cdiv(k, BLOCK_K) % config.splits == 0 else None
+    k_blocks = triton.cdiv(k, BLOCK_K)
+    if m <= 16:  # deep K (down_proj's 96 blocks): 8 slices keep more loads in flight
+        config = Fp8GemmConfig(8, 16, 64, 4, 6) if k_blocks >= 64 and k_blocks % 8 == 0 else Fp8GemmConfig(4, 16, 64, 4, 4)
+    else:
+        config = Fp8GemmConfig(4 if m <= 64 else 2, 64, 64, 4, 4)
+    return config if k_blocks % config.splits == 0 else None
 
 
 # ---- the library's GEMM ------------------------------------------------------------------------

@@ -50,9 +50,11 @@ def _qkv_rope_kernel(
     out_ty = q_out_ptr.dtype.element_ty
     if head < HQ:
         o1, o2 = norm_rope_math(x1, x2, qw_ptr, d, cos, sin, eps, in_ty, HAS_NORM, HALF, BM, out_ty)
-        dst = q_out_ptr + rm.to(tl.int64)[:, None] * stride_qot + head * stride_qoh + d
-        tl.store(dst, o1.to(out_ty), mask=row_ok[:, None])
-        tl.store(dst + HALF, o2.to(out_ty), mask=row_ok[:, None])
+        # Each branch names its own destination: Triton merges a name bound in both branches of a
+        # runtime `if`, and q's pointer type differs from an FP8 cache's.
+        q_dst = q_out_ptr + rm.to(tl.int64)[:, None] * stride_qot + head * stride_qoh + d
+        tl.store(q_dst, o1.to(out_ty), mask=row_ok[:, None])
+        tl.store(q_dst + HALF, o2.to(out_ty), mask=row_ok[:, None])
     else:
         # Slot < 0: a padding row of a CUDA-graph batch (and rows past M), not stored.
         row = (slot // block_size) * stride_cb + (slot % block_size) * stride_ct
@@ -60,24 +62,24 @@ def _qkv_rope_kernel(
         # An FP8 cache holds each head divided by its scale (the store kernels' arithmetic).
         if head < HQ + HKV:
             o1, o2 = norm_rope_math(x1, x2, kw_ptr, d, cos, sin, eps, in_ty, HAS_NORM, HALF, BM, out_ty)
-            dst = k_cache_ptr + row[:, None] + (head - HQ) * stride_ch + d
+            k_dst = k_cache_ptr + row[:, None] + (head - HQ) * stride_ch + d
             cache_ty = k_cache_ptr.dtype.element_ty
             if KV_FP8:
                 s = tl.load(ks_ptr + head - HQ)
-                tl.store(dst, quantize_to_fp8(o1.to(out_ty).to(tl.float32), s), mask=ok)
-                tl.store(dst + HALF, quantize_to_fp8(o2.to(out_ty).to(tl.float32), s), mask=ok)
+                tl.store(k_dst, quantize_to_fp8(o1.to(out_ty).to(tl.float32), s), mask=ok)
+                tl.store(k_dst + HALF, quantize_to_fp8(o2.to(out_ty).to(tl.float32), s), mask=ok)
             else:
-                tl.store(dst, o1.to(out_ty).to(cache_ty), mask=ok)
-                tl.store(dst + HALF, o2.to(out_ty).to(cache_ty), mask=ok)
+                tl.store(k_dst, o1.to(out_ty).to(cache_ty), mask=ok)
+                tl.store(k_dst + HALF, o2.to(out_ty).to(cache_ty), mask=ok)
         else:
-            dst = v_cache_ptr + row[:, None] + (head - HQ - HKV) * stride_ch + d
+            v_dst = v_cache_ptr + row[:, None] + (head - HQ - HKV) * stride_ch + d
             if KV_FP8:
                 s = tl.load(vs_ptr + head - HQ - HKV)
-                tl.store(dst, quantize_to_fp8(x1, s), mask=ok)
-                tl.store(dst + HALF, quantize_to_fp8(x2, s), mask=ok)
+                tl.store(v_dst, quantize_to_fp8(x1, s), mask=ok)
+                tl.store(v_dst + HALF, quantize_to_fp8(x2, s), mask=ok)
             else:
-                tl.store(dst, x1.to(v_cache_ptr.dtype.element_ty), mask=ok)
-                tl.store(dst + HALF, x2.to(v_cache_ptr.dtype.element_ty), mask=ok)
+                tl.store(v_dst, x1.to(v_cache_ptr.dtype.element_ty), mask=ok)
+                tl.store(v_dst + HALF, x2.to(v_cache_ptr.dtype.element_ty), mask=ok)
 
 
 class QkvRopeConfig(NamedTuple):

@@ -61,6 +61,16 @@ def test_dense_equals_the_dequantized_product(m, k, n, config, dtype, device, ge
     assert (out.float() - exact).norm() <= 0.05 * exact.norm()
 
 
+@pytest.mark.parametrize("group_m", [1, 2, 3])
+def test_every_tile_once_whatever_the_walk(group_m, device, gen):
+    # 5 rows of 16-row tiles x 10 columns of tiles: groups of 2 and 3 rows leave a ragged last group.
+    m, k, n = 70, 128, 320
+    w, ws = _weight(n, k, gen, device)
+    _, xq = _activation(m, k, DTYPES[0], gen, device)
+    out = fp8_linear(xq, w, ws, Fp8GemmConfig(1, 16, 32, 4, 2, group_m))
+    _close_to_reference(out, _reference(xq, w, ws), DTYPES[0])
+
+
 @pytest.mark.parametrize("dtype", DTYPES[:1])
 @pytest.mark.parametrize("splits", [2, 4])
 @pytest.mark.parametrize("m,k,n", [(1, 512, 64), (9, 1000, 200), (40, 512, 128)])
@@ -111,6 +121,16 @@ def test_the_tables_tiles(m, device, gen):
         _close_to_reference(fp8_partial_linear(xq, w, ws, splitk).parts.sum(0), expect, PARTIALS)
     gated = fp8_gated_linear(xq, w, ws, fp8_gated_config(m), quantize_output=True)
     assert gated.shape == (m, n // 2)
+
+
+def test_the_deep_split_k_tiles(device, gen):
+    """A decode row over a deep K (down_proj's): the table's 8 slices."""
+    m, k, n = 1, 64 * 128, 64
+    config = fp8_splitk_config(m, k)
+    assert config.splits == 8
+    w, ws = _weight(n, k, gen, device)
+    _, xq = _activation(m, k, DTYPES[0], gen, device)
+    _close_to_reference(fp8_partial_linear(xq, w, ws, config).parts.sum(0), _reference(xq, w, ws), PARTIALS)
 
 
 @pytest.mark.parametrize("m", [1, 6, 129, 1000])
