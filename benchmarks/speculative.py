@@ -8,7 +8,10 @@ same engine with speculation switched off for every step, as above disable_by_ba
     python -m benchmarks.speculative ngram --batch-sizes 1,8,16,32,64
     # Qwen3-8B target, Qwen3-0.6B draft, random weights; the draft's proposals forced to the
     # target's greedy tokens (full acceptance: the bound real drafts approach) for k = 1..5, and
-    # forced wrong (every draft rejected: the cost of a wasted step)
+    # forced wrong (every draft rejected: the cost of a wasted step). "The target's greedy tokens"
+    # are those of the speculative run itself, found in untimed rounds (agreeing_reference): with
+    # random bf16 weights a verification pass departs from plain decoding's tokens at near-ties,
+    # so its "same tokens as plain" may read False; its acceptance must read 1.0.
     python -m benchmarks.speculative forced [--config ...] [--draft-config ...] [--ks 1,2,3,4,5]
 
 Figures: tokens per second of one generate call (after a warm-up), arms alternated --repeat times,
@@ -152,8 +155,8 @@ def _random_model_dir(config_path: str) -> str:
 
 class ForcedDrafts:
     """Benchmark switch: the draft model runs all its steps (its cost is paid), then its proposals
-    are replaced by the target's own greedy tokens (`agree`: every draft accepted) or by tokens
-    that differ from them (every draft rejected). reference: prompt tuple -> the target's tokens."""
+    are replaced by the tokens of `reference` (prompt tuple -> the output tokens), `agree`, or by
+    tokens that differ from them (every draft rejected)."""
 
     def __init__(self, llm: LLM, reference: dict, vocab_size: int):
         self.proposer = llm.engine.speculator.proposer
@@ -178,6 +181,27 @@ class ForcedDrafts:
         return forced
 
 
+def agreeing_reference(llm: LLM, prompts, params, forced: ForcedDrafts, max_rounds: int) -> tuple[dict, int]:
+    """The output that speculation with forced drafts reproduces token for token (every draft
+    accepted), and the rounds it took. Plain decoding's tokens are not it: a verification pass of
+    k + 1 tokens sums in another order than a one-token step, and at a near-tie (frequent with
+    random bf16 weights) the target's greedy choice differs, after which every forced draft would
+    miss. So: a fixed point. Round r runs speculation with the output of round r - 1 as the drafts;
+    every step up to round r - 1's first rejection is the same computation again, so the accepted
+    prefix grows each round (to the next near-tie), and a round whose output equals its drafts
+    accepted every draft. forced.reference is the start (plain decoding's tokens) and is left at
+    the last round's output."""
+    forced.agree = True
+    for rounds in range(1, max_rounds + 1):
+        _, tokens, _ = _timed(llm, prompts, params, speculate=True)
+        output = {tuple(p): t for p, t in zip(prompts, tokens)}
+        if output == forced.reference:
+            return output, rounds
+        forced.reference = output
+    print(f"warning: forced drafts did not converge in {max_rounds} rounds (--max-rounds): acceptance below 1")
+    return forced.reference, max_rounds
+
+
 def run_forced(args) -> dict:
     target = _random_model_dir(args.config)
     draft = _random_model_dir(args.draft_config)
@@ -189,14 +213,22 @@ def run_forced(args) -> dict:
     vocab = llm.config.hf_config.vocab_size
     prompts = [[random.randint(0, min(10000, vocab - 1)) for _ in range(args.prompt_len)]]
     params = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=args.max_tokens)
+    # The warm-up also puts the prompt in the prefix cache: every later run starts from the same KV.
     llm.generate(prompts, SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=16), use_tqdm=False)
-    _, reference, _ = _timed(llm, prompts, params, speculate=False)
-    forced = ForcedDrafts(llm, {tuple(p): r for p, r in zip(prompts, reference)}, llm.config.hf_config.vocab_size)
+    _, plain, _ = _timed(llm, prompts, params, speculate=False)
+    plain = {tuple(p): r for p, r in zip(prompts, plain)}
+    forced = ForcedDrafts(llm, dict(plain), vocab)
     speculator = llm.engine.speculator
+    references, rounds = {}, {}
+    for k in ks:  # the verification passes (and so the near-ties) differ with k
+        speculator.k, forced.reference = k, dict(plain)
+        references[k], rounds[k] = agreeing_reference(llm, prompts, params, forced, args.max_rounds)
+    print("rounds to agree: " + ", ".join(f"k={k}: {r}" for k, r in rounds.items()))
 
     def arm(k, agree):
         def setup():
             speculator.k, forced.agree = k, agree
+            forced.reference = references[k] if agree else plain
         return True, setup
     arms = {"plain": (False, None)}
     for k in ks:
@@ -206,6 +238,8 @@ def run_forced(args) -> dict:
           f"{args.prompt_len}-token prompt, {args.max_tokens} new tokens, greedy, device={llm.config.device}")
     results = _alternate(llm, prompts, params, args.repeat, arms)
     rows = _report(results, "plain")
+    for k in ks:
+        rows[f"agree k={k}"]["rounds_to_agree"] = rounds[k]
     llm.shutdown()
     shutil.rmtree(target, ignore_errors=True)
     shutil.rmtree(draft, ignore_errors=True)
@@ -228,6 +262,8 @@ def main(argv=None):
     ap.add_argument("--batch-sizes", default="1", help="ngram: the task this many times at once (a list: a sweep)")
     ap.add_argument("--ks", default="1,2,3,4,5", help="forced: the values of k")
     ap.add_argument("--prompt-len", type=int, default=128, help="forced: random prompt tokens")
+    ap.add_argument("--max-rounds", type=int, default=30,
+                    help="forced: at most this many untimed rounds to find the output the drafts reproduce")
     ap.add_argument("--max-tokens", type=int, default=400)
     ap.add_argument("--max-model-len", type=int, default=2048)
     ap.add_argument("--repeat", type=int, default=3)
