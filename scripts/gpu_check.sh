@@ -80,18 +80,30 @@ multiturn() {
   [ -n "${BASELINE:-}" ] && multiturn_arm baseline "$(cd "$BASELINE" && pwd)"
   multiturn_arm token "$root"
   python3 - "$OUTDIR" <<'EOF'
-import json, os, sys
+import json, os, re, sys
+def server_side(name):  # from /metrics: mean TTFT as the server saw it (arrival to the engine's first token), ms per step
+    path = os.path.join(sys.argv[1], f"multi_turn_metrics_{name}.txt")
+    values = {}
+    for line in open(path) if os.path.exists(path) else ():
+        m = re.match(r"^([a-z_:]+?)(?:_total)?(?:\{[^}]*\})? ([0-9.e+-]+)$", line)
+        if m:
+            values[m.group(1)] = values.get(m.group(1), 0.0) + float(m.group(2))
+    ttft = values.get("vllm:time_to_first_token_seconds_sum", 0) / max(values.get("vllm:time_to_first_token_seconds_count", 0), 1)
+    step = values.get("nanovllm:engine_step_seconds", 0) / max(values.get("nanovllm:engine_steps", 0), 1)
+    return 1e3 * ttft, 1e3 * step
 rows = []
 for name in ("off", "baseline", "token"):
     path = os.path.join(sys.argv[1], f"multi_turn_{name}.json")
     if os.path.exists(path):
         rows.append((name, json.load(open(path))))
 off = dict(rows).get("off")
-print(f"{'arm':<10}{'hit rate':>10}{'ideal':>8}{'TTFT p50 ms':>13}{'p99 ms':>10}{'p50 vs off':>12}")
+print(f"{'arm':<10}{'hit rate':>10}{'ideal':>8}{'TTFT p50 ms':>13}{'p99 ms':>10}{'p50 vs off':>12}{'mean ms':>9}"
+      f"{'server mean':>13}{'step ms':>9}")
 for name, s in rows:
     ratio = off["ttft_ms"]["p50"] / s["ttft_ms"]["p50"] if off else float("nan")
+    server_ttft, step = server_side(name)
     print(f"{name:<10}{s['hit_rate']:>10.2%}{s['ideal_hit_rate']:>8.2%}{s['ttft_ms']['p50']:>13.1f}"
-          f"{s['ttft_ms']['p99']:>10.1f}{ratio:>11.2f}x")
+          f"{s['ttft_ms']['p99']:>10.1f}{ratio:>11.2f}x{s['ttft_ms']['mean']:>9.1f}{server_ttft:>13.1f}{step:>9.2f}")
 EOF
 }
 
@@ -104,6 +116,7 @@ multiturn_arm() {  # multiturn_arm NAME ENGINE_DIR SERVER_ARGS...: a server from
   echo "=== $name ($dir $*)"
   PYTHONPATH=/tmp/site python3 bench_serving.py --base-url http://127.0.0.1:8000 --multi-turn $args \
     --json-out "$OUTDIR/multi_turn_$name.json" || status=1
+  curl -sf http://127.0.0.1:8000/metrics > "$OUTDIR/multi_turn_metrics_$name.txt"  # the server's side of TTFT
   kill -TERM $server; wait $server
 }
 

@@ -247,6 +247,25 @@ def _decode_config(head_dim: int, group: int, query_len: int = 1):
     return block_g, 32, 4, 2, False
 
 
+def _merge_variant(num_splits: int, block_d: int) -> tuple[int, int]:
+    """The merge kernel's compiled variant for num_splits: (BLOCK_S, num_warps)."""
+    return triton.next_power_of_2(num_splits), 4 if block_d * num_splits <= 4096 else 8
+
+
+def decode_launch_variants(max_batch: int, num_q_heads: int, num_kv_heads: int, head_dim: int,
+                           device: torch.device, max_seq_len_hint: int | None = None) -> list[int]:
+    """One batch size (the smallest) per compiled variant that a decode launch of 1..max_batch
+    sequences picks through choose_num_splits: direct output, or split with the merge kernel's
+    (BLOCK_S, num_warps). A warm-up running these compiles every variant at start-up, so that no
+    step of a running workload waits for Triton (a compile takes hundreds of ms, the whole batch waits)."""
+    block_d = triton.next_power_of_2(head_dim)
+    first: dict = {}
+    for batch in range(1, max_batch + 1):
+        splits = choose_num_splits(batch, num_q_heads, num_kv_heads, head_dim, device, max_seq_len_hint)
+        first.setdefault(None if splits == 1 else _merge_variant(splits, block_d), batch)
+    return sorted(first.values())
+
+
 def choose_num_splits(batch: int, num_q_heads: int, num_kv_heads: int, head_dim: int,
                       device: torch.device, max_seq_len_hint: int | None = None, query_len: int = 1) -> int:
     """Number of KV splits per sequence; depends only on host-side shapes.
@@ -374,11 +393,10 @@ def paged_decode_attention(
         KV_FP8=kv_fp8,
         num_warps=num_warps, num_stages=num_stages, **PDL_LAUNCH)
     if not direct:
+        merge_tile, merge_warps = _merge_variant(num_splits, block_d)
         _decode_merge_kernel[(num_rows, num_q_heads)](
             out, part_o, part_lse,
             out.stride(0), out.stride(1),
             num_q_heads, num_splits,
-            BLOCK_S=triton.next_power_of_2(num_splits),
-            HEAD_DIM=head_dim, BLOCK_D=block_d,
-            num_warps=4 if block_d * num_splits <= 4096 else 8, **PDL_LAUNCH)
+            BLOCK_S=merge_tile, HEAD_DIM=head_dim, BLOCK_D=block_d, num_warps=merge_warps, **PDL_LAUNCH)
     return out

@@ -263,6 +263,7 @@ class ModelRunner:
         """Run once the kernel variants a workload meets (prefill tile sizes, decode slices at
         aligned and unaligned offsets, the sampler), so Triton compiles them at start-up rather
         than inside the first requests. The cache is still empty: any blocks will do."""
+        from nanovllm.kernels.paged_decode import decode_launch_variants
         from nanovllm.sampling_params import SamplingParams
         longest = self.config.max_model_len - 1
         # Triton specialises on pointer alignment (the prefill slice starts after the decodes)
@@ -270,6 +271,12 @@ class ModelRunner:
         # widths, token totals of each kind and every prefill tile size.
         layouts = [[1, 1, 1, 5, 17, 40, 100, 300], [1, 1, 1, 1, 2, 64, 1000], [1, 1, 600], [1, 1, 1, 900],
                    [1] * 5 + [1000, 24], [1] * 6 + [10], [7], [9], [20], [33], [128], [256], [1], [1, 1]]
+        # A step with a prefill runs its decode rows' attention outside the graphs, split as their
+        # count picks: one decode count per compiled variant (else the first step with, e.g., 9-15
+        # decodes beside a prefill waits ~0.3 s for Triton, measured in the multi-turn benchmark).
+        most = min(self.config.max_num_seqs - 1, self.config.max_num_batched_tokens - 7)
+        layouts += [[1] * nd + [7] for nd in decode_launch_variants(
+            most, self.num_q_heads, self.num_kv_heads, self.head_dim, self.device, self.config.max_model_len)]
         for lens in layouts:
             lens = [min(n, longest) for n in lens]
             seqs, next_block = [], 0

@@ -100,6 +100,27 @@ def test_choose_num_splits_is_host_only():
     assert 1 <= choose_num_splits(1, 64, 1, 128, cpu) <= 64
 
 
+def test_decode_launch_variants_cover_every_batch(monkeypatch):
+    """The warm-up's decode counts (ModelRunner._compile_kernels) reach every compiled variant
+    that some batch of 1..512 picks, each from its smallest batch; on the H200's 132 SMs with
+    Qwen3-0.6B's heads that includes the merge over 3-4 splits (9-15 sequences), which nothing
+    else compiled before a multi-turn run met it."""
+    from nanovllm.kernels import paged_decode
+    monkeypatch.setattr(paged_decode, "_device_sms", lambda device: 132)
+    cpu = torch.device("cpu")
+
+    def variant(batch):
+        splits = choose_num_splits(batch, 16, 8, 128, cpu, 8192)
+        return None if splits == 1 else paged_decode._merge_variant(splits, 128)
+
+    batches = paged_decode.decode_launch_variants(512, 16, 8, 128, cpu, 8192)
+    assert batches == sorted(batches) and 9 in batches and variant(batches[-1]) is None  # direct from some batch on
+    assert len({variant(b) for b in batches}) == len(batches)
+    for batch in range(1, 513):
+        first = next(b for b in batches if variant(b) == variant(batch))
+        assert first <= batch
+
+
 def test_split_counts_make_one_wave_for_few_sequences(monkeypatch):
     """On an H200-sized GPU (132 SMs): few sequences get one wave of programs that all run at once
     (at most 3 per SM), and up to 4 sequence x KV-head items per SM at least two splits (a ragged
