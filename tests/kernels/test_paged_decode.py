@@ -157,12 +157,17 @@ def _multi_query_cases():
     """Every shape in every dtype and with both split counts, every (dtype, split count) pair: all
     the pairs of the three settings, half their product (the Qwen3-8B shape is the interpreter's
     slowest)."""
-    return [pytest.param(*shape, (1, 3)[(s + d) % 2], dtype, id=f"{'-'.join(map(str, shape))}-{(1, 3)[(s + d) % 2]}-"
-                         f"{str(dtype)[6:]}")
-            for s, shape in enumerate(MULTI_QUERY_SHAPES) for d, dtype in enumerate(DTYPES)]
+    cases = []
+    for s, shape in enumerate(MULTI_QUERY_SHAPES):
+        for d, dtype in enumerate(DTYPES):
+            num_splits = (1, 3)[(s + d) % 2]
+            cases.append(pytest.param(*shape, num_splits, dtype,
+                                      id=f"{'-'.join(map(str, shape))}-{num_splits}-{str(dtype)[6:]}"))
+    return cases
 
 
-@pytest.mark.parametrize("query_len,num_q_heads,num_kv_heads,head_dim,block_size,num_splits,dtype", _multi_query_cases())
+@pytest.mark.parametrize("query_len,num_q_heads,num_kv_heads,head_dim,block_size,num_splits,dtype",
+                         _multi_query_cases())
 def test_multi_query_decode_matches_reference(query_len, num_q_heads, num_kv_heads, head_dim, block_size, num_splits,
                                               dtype, device, gen):
     """Each sequence's last query_len positions, causal among themselves, every split count: rows

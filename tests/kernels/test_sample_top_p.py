@@ -44,7 +44,8 @@ def _cases():
             for c, chunks in enumerate(("default", "many")):
                 test_first, min_p = switches[(2 * d + c + 2 * v) % 4]
                 cases.append(pytest.param(dtype, vocab, chunks, test_first, min_p,
-                                          id=f"{vocab}-{str(dtype)[6:]}-{chunks}-test_first={test_first}-min_p={min_p}"))
+                                          id=f"{vocab}-{str(dtype)[6:]}-{chunks}-test_first={test_first}-"
+                                             f"min_p={min_p}"))
     return cases
 
 
