@@ -3,8 +3,17 @@ import sys
 
 import pytest
 
+# One intra-op thread per process (the servers, CLI runs and ranks the tests start inherit it;
+# OMP_NUM_THREADS set outside wins). The tests' models are mostly tiny: a second OpenMP thread buys
+# nothing and costs a fork/join per op, which on a busy 2-core machine waits for a descheduled
+# thread: there tests/models/test_parity.py's MoE cases took 187 s with two threads, 8 s with one.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 sys.path.insert(0, os.path.dirname(__file__))
+import torch  # noqa: E402
+
 from helpers import HFReference, make_model  # noqa: E402
+
+torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))  # in case torch was imported before us
 
 
 @pytest.fixture(scope="session")

@@ -227,11 +227,22 @@ STORE_HEADS = [(3, 3), (32, 16), (8, 2), (8, 1)]
 STORE_DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if ON_GPU else [])
 
 
-@pytest.mark.parametrize("dtype", STORE_DTYPES)
-@pytest.mark.parametrize("block_size", [16, 64])
-@pytest.mark.parametrize("hq,hkv", STORE_HEADS)
-@pytest.mark.parametrize("dim", [64, 128])
-@pytest.mark.parametrize("qk_norm", [True, False])
+def _store_cases():
+    """Every head layout, dtype and norm setting crossed in full, each of them with every (head_dim,
+    block size) pair (block size 64 also takes int64 slots): all the pairs of the five settings,
+    a quarter of their product."""
+    shapes = [(64, 16), (128, 64), (64, 64), (128, 16)]
+    cases = []
+    for h, (hq, hkv) in enumerate(STORE_HEADS):
+        for d, dtype in enumerate(STORE_DTYPES):
+            for n, qk_norm in enumerate((True, False)):
+                dim, block_size = shapes[(h + 2 * n + d) % 4]
+                cases.append(pytest.param(qk_norm, dim, hq, hkv, block_size, dtype,
+                                          id=f"{qk_norm}-{dim}-{hq}-{hkv}-{block_size}-{str(dtype)[6:]}"))
+    return cases
+
+
+@pytest.mark.parametrize("qk_norm, dim, hq, hkv, block_size, dtype", _store_cases())
 def test_qk_norm_rope_store_kv(qk_norm, dim, hq, hkv, block_size, dtype, device, gen):
     """The fused launch writes exactly what qk_norm_rope + store_kv_cache write (q and the whole
     cache bit-equal), skipping slot -1 rows (CUDA-graph padding) and leaving other slots alone."""

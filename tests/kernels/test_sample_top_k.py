@@ -36,10 +36,21 @@ CONFIGS = [None, TopKConfig(64, 128, 4)]
 MAX_KS = [PAIRWISE_MAX_K, MAX_TOP_K]
 
 
-@pytest.mark.parametrize("config", CONFIGS, ids=["default", "split"])
-@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
-@pytest.mark.parametrize("vocab, max_top_k", [(300, PAIRWISE_MAX_K), (3001, PAIRWISE_MAX_K), (3001, MAX_TOP_K)],
-                         ids=["300-pairwise", "3001-pairwise", "3001-wide"])
+def _draw_cases():
+    """Every (vocabulary and finish, dtype) pair, each vocabulary and each dtype with both chunkings:
+    all the pairs of the three settings, half their product."""
+    cases = []
+    for v, (vocab, max_top_k, name) in enumerate([(300, PAIRWISE_MAX_K, "300-pairwise"),
+                                                  (3001, PAIRWISE_MAX_K, "3001-pairwise"),
+                                                  (3001, MAX_TOP_K, "3001-wide")]):
+        for d, dtype in enumerate((torch.float16, torch.bfloat16, torch.float32)):
+            c = (v + d) % 2
+            cases.append(pytest.param(dtype, vocab, CONFIGS[c], max_top_k,
+                                      id=f"{name}-{str(dtype)[6:]}-{('default', 'split')[c]}"))
+    return cases
+
+
+@pytest.mark.parametrize("dtype, vocab, config, max_top_k", _draw_cases())
 def test_draws_the_torch_samplers_tokens(dtype, vocab, config, max_top_k):
     gen = torch.Generator().manual_seed(vocab)
     rows = 24

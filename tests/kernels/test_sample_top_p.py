@@ -32,11 +32,24 @@ def _check(got, expected, logits, temps, keys):
         assert temps[row] > 0 and abs(a - b) <= 1e-5 * max(1.0, abs(a)), (row, a, b)
 
 
-@pytest.mark.parametrize("min_p", [False, True])
-@pytest.mark.parametrize("test_first", [True, False])
-@pytest.mark.parametrize("chunks", ["default", "many"])
-@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
-@pytest.mark.parametrize("vocab", [300, 3001])
+def _cases():
+    """The two kernels' settings, each crossed in full: the first draw's (vocabulary, dtype, chunking),
+    and the nucleus kernel's compile-time switches (test_first, min_p) at each vocabulary, each switch
+    on every dtype too (the nucleus kernel reads the logits in their dtype). The whole cross product
+    of both is four times as many interpreter runs and adds no path."""
+    switches = [(True, False), (True, True), (False, False), (False, True)]
+    cases = []
+    for v, vocab in enumerate((300, 3001)):
+        for d, dtype in enumerate((torch.float16, torch.bfloat16, torch.float32)):
+            for c, chunks in enumerate(("default", "many")):
+                test_first, min_p = switches[(2 * d + c + 2 * v) % 4]
+                cases.append(pytest.param(dtype, vocab, chunks, test_first, min_p,
+                                          id=f"{vocab}-{str(dtype)[6:]}-{chunks}-test_first={test_first}-"
+                                             f"min_p={min_p}"))
+    return cases
+
+
+@pytest.mark.parametrize("dtype, vocab, chunks, test_first, min_p", _cases())
 def test_draws_the_torch_samplers_tokens(dtype, vocab, chunks, test_first, min_p):
     gen = torch.Generator().manual_seed(vocab)
     rows = 20
