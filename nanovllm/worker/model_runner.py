@@ -8,6 +8,7 @@ batch's launch), and `sample(output, fill_masks)`, called once the engine has ta
 previous step's tokens (on a GPU: at the next step, before its forward pass), has the grammar fill
 the bitmasks into pinned memory, sends them in one copy and launches the draw, while the forward
 pass runs on the device."""
+import logging
 from dataclasses import dataclass
 from operator import attrgetter
 
@@ -15,7 +16,7 @@ import numpy as np
 import torch
 
 from nanovllm.attention.registry import get_attention_backend
-from nanovllm.config import Config
+from nanovllm.config import Config, physical_cpu_cores
 from nanovllm.distributed import (broadcast_from_rank0, enable_one_shot_all_reduce, min_over_ranks, set_tensor_parallel,
                                   tp_rank, tp_size)
 from nanovllm.engine.scheduler import ScheduledBatch
@@ -31,6 +32,7 @@ from nanovllm.worker.inputs import (HostInputs, HostToDevice, TransferSlots, bui
                                     kv_copies_array, to_device)
 from nanovllm.worker.sampling_inputs import build_sampling_metadata
 
+logger = logging.getLogger(__name__)
 _CPU_DEFAULT_KV_BYTES = 512 << 20
 _seq_id = attrgetter("seq_id")
 _plain_sampling = attrgetter("plain_sampling")
@@ -120,6 +122,10 @@ class ModelRunner:
         self.block_size = config.kvcache_block_size
         set_tensor_parallel(rank, config.tensor_parallel_size)
         torch.manual_seed(config.seed)
+        if self.device.type == "cpu" and config.tensor_parallel_size == 1:
+            # Physical cores: a hyperthread sibling shares its core's vector units and memory path.
+            # Never more than the process was given (a data-parallel core's share of the host's).
+            torch.set_num_threads(config.cpu_threads or min(physical_cpu_cores(), torch.get_num_threads()))
         self.model = build_model(config.hf_config, config.torch_dtype, self.device, config.quant_config)
         if config.load_format == "dummy":
             init_dummy_weights(self.model, config.seed)
@@ -156,6 +162,7 @@ class ModelRunner:
         # Block ids are shared by all tensor-parallel ranks: every rank holds as many as the smallest.
         self.num_blocks = min_over_ranks(self._num_kv_blocks())
         self.kv_cache = self._allocate_kv_cache(self.num_blocks)
+        self.cpu_graphs = self._cpu_decode_graphs()
         self._copy_kernel = None  # the torch path copies on the CPU
         if self.device.type == "cuda":
             from nanovllm.kernels.copy_kv import copy_kv_prefixes
@@ -182,6 +189,19 @@ class ModelRunner:
             # its activations back now, so the first long prefill of a run does not cudaMalloc them.
             self._largest_step(config.max_num_batched_tokens, min(config.max_num_seqs, config.max_num_batched_tokens),
                                self.num_blocks)
+
+    def _cpu_decode_graphs(self):
+        """The compiled CPU decode steps (worker/cpu_graph.py), or None: eager (enforce_eager, a GPU,
+        a model or set-up they do not cover, no C++ compiler)."""
+        if self.device.type != "cpu" or self.config.enforce_eager:
+            return None
+        from nanovllm.worker import cpu_graph
+        if not cpu_graph.can_compile(self.model, self.config):
+            return None
+        if not cpu_graph.compiler_available():
+            logger.warning("no C++ compiler found: CPU decode steps run eagerly (install g++ for the compiled ones)")
+            return None
+        return cpu_graph.CPUDecodeGraphs(self.model, self.kv_cache)
 
     # ---- KV cache -----------------------------------------------------------------------
     @property
@@ -402,7 +422,12 @@ class ModelRunner:
             fb.input_ids[fb.pending_dst] = source[fb.pending_src]
         if self.graph_runner is not None and self.graph_runner.can_run(fb.attn.num_seqs, fb.attn.num_decodes):
             return self.graph_runner.run(fb.input_ids, fb.positions, fb.attn)  # every decode row samples
-        if self.piecewise is not None and self.piecewise.can_run(fb.input_ids.shape[0]):
+        hidden = None
+        if self.cpu_graphs is not None and fb.attn.num_decodes == fb.attn.num_seqs and host.sample_drafts is None:
+            hidden = self.cpu_graphs.run(fb)
+        if hidden is not None:
+            pass
+        elif self.piecewise is not None and self.piecewise.can_run(fb.input_ids.shape[0]):
             hidden = self.piecewise.forward(fb.input_ids, fb.positions, fb.attn)
         else:
             hidden = self.model(fb.input_ids, fb.positions, fb.attn)
