@@ -19,18 +19,6 @@ def _index_select(cache: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     return cache.index_select(0, index)
 
 
-def decode_gather(meta: AttentionMetadata, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The decode rows' cache rows to gather, [B * S] (S: the longest context), and their key
-    mask [B, 1, 1, S]: the same for every layer of a step."""
-    nd = meta.num_decodes
-    max_len = max(meta.seq_lens_host[:nd])
-    pos = torch.arange(max_len, device=meta.seq_lens.device)
-    tables = meta.block_tables[:nd, : -(-max_len // block_size)]
-    rows = (tables[:, pos // block_size].long() * block_size + pos % block_size).view(-1)  # [B * S]
-    mask = (pos[None, :] < meta.seq_lens[:nd, None])[:, None, None, :]  # [B, 1, 1, S]
-    return rows, mask
-
-
 class TorchAttentionBackend(AttentionBackend):
     name = "torch"
 
@@ -76,7 +64,12 @@ class TorchAttentionBackend(AttentionBackend):
             return TorchAttentionBackend._multi_query_decode(q, k_cache, v_cache, meta, scale, kv_scales)
         num_kv_blocks, block_size, hkv, d = k_cache.shape
         if meta.decode_gather is None:
-            meta.decode_gather = decode_gather(meta, block_size)
+            max_len = max(meta.seq_lens_host[:nd])
+            pos = torch.arange(max_len, device=q.device)
+            tables = meta.block_tables[:nd, : -(-max_len // block_size)]
+            rows = (tables[:, pos // block_size].long() * block_size + pos % block_size).view(-1)  # [B * S]
+            mask = (pos[None, :] < meta.seq_lens[:nd, None])[:, None, None, :]  # [B, 1, 1, S]
+            meta.decode_gather = rows, mask
         rows, mask = meta.decode_gather
         # index_select copies whole rows: much faster on the CPU than advanced indexing by [B, S] slots.
         k = _index_select(k_cache.view(-1, hkv * d), rows).view(nd, -1, hkv, d)  # [B, S, Hkv, D]

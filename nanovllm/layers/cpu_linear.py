@@ -33,21 +33,7 @@ def pack_weight(weight: torch.Tensor) -> torch.Tensor:
 
 def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """x @ W^T (+ bias), as `F.linear(x, W, bias)` computes it."""
-    if torch.compiler.is_compiling():  # the compiled CPU decode step (worker/cpu_graph.py)
-        return compiled_packed_linear(x, packed, bias)
     return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
-
-
-# Inductor lowers oneDNN's product only for weights it packed itself (freezing); ours is an input
-# of the compiled step, so the product stays one opaque call there.
-@torch.library.custom_op("nanovllm::packed_linear", mutates_args=())
-def compiled_packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
-
-
-@compiled_packed_linear.register_fake
-def _(x, packed, bias):
-    return x.new_empty(*x.shape[:-1], packed.shape[0])
 
 
 def _packing_agrees(weight: torch.Tensor) -> bool:

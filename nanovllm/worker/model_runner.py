@@ -8,7 +8,6 @@ batch's launch), and `sample(output, fill_masks)`, called once the engine has ta
 previous step's tokens (on a GPU: at the next step, before its forward pass), has the grammar fill
 the bitmasks into pinned memory, sends them in one copy and launches the draw, while the forward
 pass runs on the device."""
-import logging
 from dataclasses import dataclass
 from operator import attrgetter
 
@@ -32,7 +31,6 @@ from nanovllm.worker.inputs import (HostInputs, HostToDevice, TransferSlots, bui
                                     kv_copies_array, to_device)
 from nanovllm.worker.sampling_inputs import build_sampling_metadata
 
-logger = logging.getLogger(__name__)
 _CPU_DEFAULT_KV_BYTES = 512 << 20
 _seq_id = attrgetter("seq_id")
 _plain_sampling = attrgetter("plain_sampling")
@@ -162,7 +160,6 @@ class ModelRunner:
         # Block ids are shared by all tensor-parallel ranks: every rank holds as many as the smallest.
         self.num_blocks = min_over_ranks(self._num_kv_blocks())
         self.kv_cache = self._allocate_kv_cache(self.num_blocks)
-        self.cpu_graphs = self._cpu_decode_graphs()
         self._copy_kernel = None  # the torch path copies on the CPU
         if self.device.type == "cuda":
             from nanovllm.kernels.copy_kv import copy_kv_prefixes
@@ -189,19 +186,6 @@ class ModelRunner:
             # its activations back now, so the first long prefill of a run does not cudaMalloc them.
             self._largest_step(config.max_num_batched_tokens, min(config.max_num_seqs, config.max_num_batched_tokens),
                                self.num_blocks)
-
-    def _cpu_decode_graphs(self):
-        """The compiled CPU decode steps (worker/cpu_graph.py), or None: eager (enforce_eager, a GPU,
-        a model or set-up they do not cover, no C++ compiler)."""
-        if self.device.type != "cpu" or self.config.enforce_eager:
-            return None
-        from nanovllm.worker import cpu_graph
-        if not cpu_graph.can_compile(self.model, self.config):
-            return None
-        if not cpu_graph.compiler_available():
-            logger.warning("no C++ compiler found: CPU decode steps run eagerly (install g++ for the compiled ones)")
-            return None
-        return cpu_graph.CPUDecodeGraphs(self.model, self.kv_cache)
 
     # ---- KV cache -----------------------------------------------------------------------
     @property
@@ -422,12 +406,7 @@ class ModelRunner:
             fb.input_ids[fb.pending_dst] = source[fb.pending_src]
         if self.graph_runner is not None and self.graph_runner.can_run(fb.attn.num_seqs, fb.attn.num_decodes):
             return self.graph_runner.run(fb.input_ids, fb.positions, fb.attn)  # every decode row samples
-        hidden = None
-        if self.cpu_graphs is not None and fb.attn.num_decodes == fb.attn.num_seqs and host.sample_drafts is None:
-            hidden = self.cpu_graphs.run(fb)
-        if hidden is not None:
-            pass
-        elif self.piecewise is not None and self.piecewise.can_run(fb.input_ids.shape[0]):
+        if self.piecewise is not None and self.piecewise.can_run(fb.input_ids.shape[0]):
             hidden = self.piecewise.forward(fb.input_ids, fb.positions, fb.attn)
         else:
             hidden = self.model(fb.input_ids, fb.positions, fb.attn)

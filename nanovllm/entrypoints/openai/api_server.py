@@ -92,8 +92,7 @@ def add_serve_arguments(p: argparse.ArgumentParser):
     g.add_argument("--max-model-len", type=int, default=None)
     g.add_argument("--max-num-seqs", type=int, default=None)
     g.add_argument("--max-num-batched-tokens", type=int, default=None)
-    g.add_argument("--enforce-eager", action="store_true", default=None,
-                   help="no CUDA graphs (GPU), no compiled decode steps (CPU)")
+    g.add_argument("--enforce-eager", action="store_true", default=None, help="no CUDA graphs")
     g.add_argument("--cpu-threads", type=int, default=None, help="torch threads on the CPU (default: physical cores)")
     g.add_argument("--kv-cache-memory-bytes", type=int, default=None)
     g.add_argument("--num-kvcache-blocks", type=int, default=None)
