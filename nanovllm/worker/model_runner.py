@@ -10,6 +10,7 @@ the bitmasks into pinned memory, sends them in one copy and launches the draw, w
 pass runs on the device."""
 from dataclasses import dataclass
 from operator import attrgetter
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -20,9 +21,11 @@ from nanovllm.distributed import (broadcast_from_rank0, enable_one_shot_all_redu
                                   tp_rank, tp_size)
 from nanovllm.engine.scheduler import ScheduledBatch
 from nanovllm.engine.sequence import Sequence
+from nanovllm.layers.cpu_int4 import attach_int4_weights
 from nanovllm.layers.cpu_linear import pack_linear_weights
 from nanovllm.layers.sampler import LogprobsLists, Sampler, SamplerOutput
 from nanovllm.layers.sampling_metadata import SamplingMetadata
+from nanovllm.models.gguf_q4 import Q4_BLOCKS_FILE
 from nanovllm.models.loader import build_model, init_dummy_weights, load_weights, process_weights_after_loading
 from nanovllm.spec_decode.config import draft_memory
 from nanovllm.worker.gemm_warmup import warm_gemms
@@ -132,6 +135,9 @@ class ModelRunner:
         process_weights_after_loading(self.model)  # quantized layers: FP8 weights, or dequantized on the CPU
         if self.device.type == "cpu":
             pack_linear_weights(self.model)  # bf16: oneDNN's layout once, not at every product
+            if not config.enforce_eager and config.tensor_parallel_size == 1 and config.quant_config is None:
+                # A converted GGUF's 4-bit blocks, for decode-sized batches (enforce_eager: the bf16 reference)
+                attach_int4_weights(self.model, Path(config.model) / Q4_BLOCKS_FILE, config.torch_dtype)
         self.sampler = Sampler()
         self.backend = get_attention_backend(config.attention_backend, self.device)
         self.num_kv_heads, self.head_dim = self.model.kv_cache_shape()
