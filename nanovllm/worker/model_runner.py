@@ -135,7 +135,8 @@ class ModelRunner:
         process_weights_after_loading(self.model)  # quantized layers: FP8 weights, or dequantized on the CPU
         if self.device.type == "cpu":
             pack_linear_weights(self.model)  # bf16: oneDNN's layout once, not at every product
-            if not config.enforce_eager and config.tensor_parallel_size == 1 and config.quant_config is None:
+            if (not config.enforce_eager and config.tensor_parallel_size == 1 and config.quant_config is None
+                    and config.load_format != "dummy"):
                 # A converted GGUF's 4-bit blocks, for decode-sized batches (enforce_eager: the bf16 reference)
                 attach_int4_weights(self.model, Path(config.model) / Q4_BLOCKS_FILE, config.torch_dtype)
         self.sampler = Sampler()
