@@ -45,6 +45,8 @@ class Config:
     # Speculative decoding (nanovllm.spec_decode), vLLM's dict: {"method": "ngram" | "draft_model",
     # "num_speculative_tokens": k, ...}; a SpeculativeConfig after validation.
     speculative_config: dict | None = None
+    # torch's threads on the CPU (one process): None, the machine's physical cores.
+    cpu_threads: int | None = None
 
     def __post_init__(self):
         if not isinstance(self.model, str) or not self.model:
@@ -67,6 +69,8 @@ class Config:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         if self.num_kvcache_blocks != -1:
             _check_int("num_kvcache_blocks", self.num_kvcache_blocks, 1)
+        if self.cpu_threads is not None:
+            _check_int("cpu_threads", self.cpu_threads, 1)
         if self.kv_cache_memory_bytes is not None:
             _check_int("kv_cache_memory_bytes", self.kv_cache_memory_bytes, 1)
         if self.load_format not in ("auto", "safetensors", "dummy"):
@@ -145,6 +149,24 @@ def _check_tensor_parallel(cfg: "Config"):
                              f"but only {available} are visible")
     elif size > (os.cpu_count() or 1):
         raise ValueError(f"tensor_parallel_size={size} exceeds the {os.cpu_count()} CPU cores of this machine")
+
+
+def physical_cpu_cores() -> int:
+    """Physical cores among the CPUs this process may use (hyperthread siblings count once)."""
+    try:
+        cpus = os.sched_getaffinity(0)
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+    cores = set()
+    for cpu in cpus:
+        try:
+            with open(f"/sys/devices/system/cpu/cpu{cpu}/topology/core_id") as f:
+                core = f.read().strip()
+            with open(f"/sys/devices/system/cpu/cpu{cpu}/topology/physical_package_id") as f:
+                cores.add((f.read().strip(), core))
+        except OSError:
+            cores.add(("cpu", str(cpu)))
+    return max(1, len(cores))
 
 
 def cpu_supports_bf16() -> bool:

@@ -5,9 +5,10 @@ import os
 import shutil
 
 import pytest
+import torch
 
 from nanovllm import LLM, SamplingParams
-from nanovllm.config import Config
+from nanovllm.config import Config, physical_cpu_cores
 
 
 @pytest.fixture(scope="module")
@@ -52,6 +53,7 @@ def test_unknown_keyword_is_a_type_error(model_factory):
     (dict(dtype="int8"), "dtype must be"),
     (dict(load_format="pickle"), "load_format"),
     (dict(device="tpu"), "device"),
+    (dict(cpu_threads=0), "cpu_threads must be an integer >= 1"),
 ])
 def test_bad_config_values(model_factory, kwargs, match):
     with pytest.raises(ValueError, match=match):
@@ -197,3 +199,16 @@ def test_bf16_runs_on_cpu(model_factory):
     llm = LLM(model_factory("qwen2"), dtype="bfloat16")
     out = llm.generate([[1, 2, 3, 4]], SamplingParams(temperature=0, max_tokens=5, ignore_eos=True), use_tqdm=False)
     assert len(out[0]["token_ids"]) == 5
+
+
+def test_cpu_threads_sets_torch_threads(model_factory):
+    before = torch.get_num_threads()
+    try:
+        LLM(model_factory("qwen3"), dtype="float32", max_model_len=256, cpu_threads=1)
+        assert torch.get_num_threads() == 1
+        torch.set_num_threads(before)
+        LLM(model_factory("qwen3"), dtype="float32", max_model_len=256)  # default: the physical cores, at most
+        assert torch.get_num_threads() == min(physical_cpu_cores(), before)
+        assert 1 <= physical_cpu_cores() <= len(os.sched_getaffinity(0))
+    finally:
+        torch.set_num_threads(before)

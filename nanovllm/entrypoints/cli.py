@@ -14,6 +14,7 @@ def _add_model_args(p: argparse.ArgumentParser):
     p.add_argument("--device", default="auto")
     p.add_argument("--dtype", default="auto")
     p.add_argument("--enforce-eager", action="store_true")
+    p.add_argument("--cpu-threads", type=int, default=None, help="torch threads on the CPU (default: physical cores)")
     p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1, help="GPUs (or CPU processes) to split the model over")
     p.add_argument("--kv-cache-dtype", default="auto", help="auto (the model dtype) or fp8: twice the tokens per byte")
 
@@ -41,7 +42,8 @@ def _params(args):
 def _llm(args):
     from nanovllm import LLM
     return LLM(args.model, device=args.device, dtype=args.dtype, enforce_eager=args.enforce_eager,
-               tensor_parallel_size=args.tensor_parallel_size, kv_cache_dtype=args.kv_cache_dtype)
+               tensor_parallel_size=args.tensor_parallel_size, kv_cache_dtype=args.kv_cache_dtype,
+               cpu_threads=args.cpu_threads)
 
 
 def cmd_generate(args) -> int:

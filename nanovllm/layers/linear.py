@@ -14,6 +14,7 @@ from torch import nn
 
 from nanovllm.distributed import all_reduce, tp_rank, tp_size
 from nanovllm.layers.activation import silu_and_mul
+from nanovllm.layers.cpu_int4 import INT4_MAX_ROWS, int4_linear
 from nanovllm.layers.cpu_linear import packed_linear
 
 
@@ -42,6 +43,8 @@ def _in_blocks(param, offset: int, size: int, start: int) -> tuple[int, int, int
 class LinearBase(nn.Module):
     # oneDNN's packed copy of the weight, which then replaces it (bf16 on the CPU: cpu_linear.py).
     packed_weight: torch.Tensor | None = None
+    # A GGUF's 4-bit blocks for decode-sized batches on the CPU: (packed, scales_zeros) (cpu_int4.py).
+    int4_weight: tuple[torch.Tensor, torch.Tensor] | None = None
     quant_method = None  # a quantization.LinearMethod owns the weights and products when set
     quant_out = None  # MergedColumnParallelLinear.swiglu: the form of output its consumer takes
 
@@ -69,7 +72,10 @@ class LinearBase(nn.Module):
         _copy(param.data, loaded)
 
     def library_linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        """x @ W^T (+ bias) by the library: oneDNN with the packed weight, else F.linear."""
+        """x @ W^T (+ bias) by the library: torch's int4 product for a few rows of a 4-bit GGUF
+        weight, oneDNN with the packed weight, else F.linear."""
+        if self.int4_weight is not None and x.shape[0] <= INT4_MAX_ROWS:
+            return int4_linear(x, *self.int4_weight, bias)
         if self.packed_weight is not None:
             return packed_linear(x, self.packed_weight, bias)
         return F.linear(x, self.weight, bias)

@@ -3,6 +3,7 @@
 The output (config.json, tokenizer files, generation_config.json, bf16 model.safetensors) loads
 with `transformers` and with nanovllm's own safetensors loader, so the rest of the engine only
 ever sees HF directories. Conversion dequantizes everything: the engine runs bf16/fp32 weights.
+The layers' 4-bit blocks are also kept as they are (gguf_q4.Q4_BLOCKS_FILE), for the CPU's int4 products.
 """
 import json
 import os
@@ -17,12 +18,14 @@ import torch
 import xxhash
 from gguf import GGML_QUANT_SIZES, GGUFReader
 from gguf.quants import dequantize
+
+from nanovllm.models.gguf_q4 import Q4_BLOCKS_FILE, is_q4, q4_blocks
 from safetensors.torch import save_file
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, processors
 
 SUPPORTED_ARCHITECTURES = ("llama",)
 # Bump whenever the output format changes, so stale cache entries are not reused.
-_CONVERTER_VERSION = 1
+_CONVERTER_VERSION = 2
 _HASH_CHUNK = 16 << 20
 
 _GLOBAL_TENSORS = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
@@ -173,6 +176,21 @@ def hf_state_dict(reader: GGUFReader, config: dict) -> Iterator[tuple[str, np.nd
         if match["kind"] in heads:
             array = _unpermute(array, heads[match["kind"]], config["head_dim"])
         yield f"model.layers.{match['layer']}.{_LAYER_TENSORS[match['kind']]}.weight", array
+
+
+def hf_q4_blocks(reader: GGUFReader, config: dict) -> Iterator[tuple[str, np.ndarray]]:
+    """Yield ("{HF linear name}.codes|scale|offset", array) for every 4-bit layer weight, rows in HF
+    order (q/k un-permuted like their dequantized weights)."""
+    heads = {"attn_q": config["num_attention_heads"], "attn_k": config["num_key_value_heads"]}
+    for t in reader.tensors:
+        match = _LAYER_NAME.fullmatch(t.name)
+        if not match or match["kind"] not in _LAYER_TENSORS or not is_q4(t):
+            continue
+        name = f"model.layers.{match['layer']}.{_LAYER_TENSORS[match['kind']]}"
+        for part, array in zip(("codes", "scale", "offset"), q4_blocks(t)):
+            if match["kind"] in heads:
+                array = _unpermute(array, heads[match["kind"]], config["head_dim"])
+            yield f"{name}.{part}", np.ascontiguousarray(array)
 
 
 def _unpermute(weight: np.ndarray, n_head: int, head_dim: int) -> np.ndarray:
@@ -340,6 +358,9 @@ def _write_model_dir(reader: GGUFReader, out: Path) -> None:
     _write_json(out / "tokenizer_config.json",
                 build_tokenizer_config(meta, tokenizer, config["max_position_embeddings"]))
     save_file(weights, str(out / "model.safetensors"), metadata={"format": "pt"})
+    if blocks := {name: torch.from_numpy(array) for name, array in hf_q4_blocks(reader, config)}:
+        (out / Q4_BLOCKS_FILE).parent.mkdir()
+        save_file(blocks, str(out / Q4_BLOCKS_FILE), metadata={"format": "pt"})
 
 
 def _write_json(path: Path, data: dict) -> None:

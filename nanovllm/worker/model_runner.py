@@ -10,19 +10,22 @@ the bitmasks into pinned memory, sends them in one copy and launches the draw, w
 pass runs on the device."""
 from dataclasses import dataclass
 from operator import attrgetter
+from pathlib import Path
 
 import numpy as np
 import torch
 
 from nanovllm.attention.registry import get_attention_backend
-from nanovllm.config import Config
+from nanovllm.config import Config, physical_cpu_cores
 from nanovllm.distributed import (broadcast_from_rank0, enable_one_shot_all_reduce, min_over_ranks, set_tensor_parallel,
                                   tp_rank, tp_size)
 from nanovllm.engine.scheduler import ScheduledBatch
 from nanovllm.engine.sequence import Sequence
+from nanovllm.layers.cpu_int4 import attach_int4_weights
 from nanovllm.layers.cpu_linear import pack_linear_weights
 from nanovllm.layers.sampler import LogprobsLists, Sampler, SamplerOutput
 from nanovllm.layers.sampling_metadata import SamplingMetadata
+from nanovllm.models.gguf_q4 import Q4_BLOCKS_FILE
 from nanovllm.models.loader import build_model, init_dummy_weights, load_weights, process_weights_after_loading
 from nanovllm.spec_decode.config import draft_memory
 from nanovllm.worker.gemm_warmup import warm_gemms
@@ -120,6 +123,10 @@ class ModelRunner:
         self.block_size = config.kvcache_block_size
         set_tensor_parallel(rank, config.tensor_parallel_size)
         torch.manual_seed(config.seed)
+        if self.device.type == "cpu" and config.tensor_parallel_size == 1:
+            # Physical cores: a hyperthread sibling shares its core's vector units and memory path.
+            # Never more than the process was given (a data-parallel core's share of the host's).
+            torch.set_num_threads(config.cpu_threads or min(physical_cpu_cores(), torch.get_num_threads()))
         self.model = build_model(config.hf_config, config.torch_dtype, self.device, config.quant_config)
         if config.load_format == "dummy":
             init_dummy_weights(self.model, config.seed)
@@ -128,6 +135,10 @@ class ModelRunner:
         process_weights_after_loading(self.model)  # quantized layers: FP8 weights, or dequantized on the CPU
         if self.device.type == "cpu":
             pack_linear_weights(self.model)  # bf16: oneDNN's layout once, not at every product
+            if (not config.enforce_eager and config.tensor_parallel_size == 1 and config.quant_config is None
+                    and config.load_format != "dummy"):
+                # A converted GGUF's 4-bit blocks, for decode-sized batches (enforce_eager: the bf16 reference)
+                attach_int4_weights(self.model, Path(config.model) / Q4_BLOCKS_FILE, config.torch_dtype)
         self.sampler = Sampler()
         self.backend = get_attention_backend(config.attention_backend, self.device)
         self.num_kv_heads, self.head_dim = self.model.kv_cache_shape()

@@ -15,6 +15,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from nanovllm.models import default_model, gguf_convert
 from nanovllm.models.default_model import DEFAULT_MODEL_NAME, default_model_path
 from nanovllm.models.gguf_convert import convert_gguf
+from nanovllm.models.gguf_q4 import Q4_BLOCKS_FILE
 from nanovllm.models.model_path import resolve_model_path
 
 GGUF_PATH = Path(default_model_path())
@@ -81,6 +82,19 @@ def test_weights_match_transformers_gguf_loader(converted):
     for name, tensor in written.items():
         assert tensor.dtype == torch.bfloat16
         assert torch.equal(tensor, reference[name].to(torch.bfloat16)), name
+
+
+def test_q4_blocks_are_the_dequantized_weights(converted):
+    reader = gguf.GGUFReader(GGUF_PATH)
+    config = gguf_convert.build_config(gguf_convert.read_metadata(reader), {t.name for t in reader.tensors})
+    weights = dict(gguf_convert.hf_state_dict(reader, config))  # transformers' dequantization (test above)
+    blocks = load_file(converted / Q4_BLOCKS_FILE)
+    names = {name.rsplit(".", 1)[0] for name in blocks}
+    assert len(names) == 30 * 7  # every projection of the Q4_1 file; the Q8_0 embedding is not among them
+    for name in names:
+        codes, scale, offset = (blocks[f"{name}.{part}"] for part in ("codes", "scale", "offset"))
+        weight = scale.repeat_interleave(32, 1) * codes.float() + offset.repeat_interleave(32, 1)
+        assert torch.equal(weight, torch.from_numpy(weights[f"{name}.weight"])), name
 
 
 def test_config(converted):

@@ -42,7 +42,7 @@ _CONNECTIONS_HEADROOM = 256  # --limit-concurrency's default: requests that may 
 _ENGINE_OPTIONS = ("device", "dtype", "max_model_len", "max_num_seqs", "max_num_batched_tokens", "enforce_eager",
                    "kv_cache_memory_bytes", "num_kvcache_blocks", "gpu_memory_utilization", "tensor_parallel_size",
                    "enable_prefix_caching", "kvcache_block_size", "seed", "attention_backend", "load_format",
-                   "reasoning_parser", "kv_cache_dtype", "quantization", "speculative_config")
+                   "reasoning_parser", "kv_cache_dtype", "quantization", "speculative_config", "cpu_threads")
 
 
 def add_serve_arguments(p: argparse.ArgumentParser):
@@ -93,6 +93,7 @@ def add_serve_arguments(p: argparse.ArgumentParser):
     g.add_argument("--max-num-seqs", type=int, default=None)
     g.add_argument("--max-num-batched-tokens", type=int, default=None)
     g.add_argument("--enforce-eager", action="store_true", default=None, help="no CUDA graphs")
+    g.add_argument("--cpu-threads", type=int, default=None, help="torch threads on the CPU (default: physical cores)")
     g.add_argument("--kv-cache-memory-bytes", type=int, default=None)
     g.add_argument("--num-kvcache-blocks", type=int, default=None)
     g.add_argument("--gpu-memory-utilization", type=float, default=None)
