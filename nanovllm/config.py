@@ -45,7 +45,8 @@ class Config:
     # Speculative decoding (nanovllm.spec_decode), vLLM's dict: {"method": "ngram" | "draft_model",
     # "num_speculative_tokens": k, ...}; a SpeculativeConfig after validation.
     speculative_config: dict | None = None
-    # torch's threads on the CPU (one process): None, the machine's physical cores.
+    # torch's threads per engine process (each tensor-parallel rank); None: on the CPU the physical cores
+    # (a tensor-parallel rank: its share of the host's), elsewhere torch's default (`torch_threads`).
     cpu_threads: int | None = None
 
     def __post_init__(self):
@@ -167,6 +168,21 @@ def physical_cpu_cores() -> int:
         except OSError:
             cores.add(("cpu", str(cpu)))
     return max(1, len(cores))
+
+
+def torch_threads(config: "Config") -> int | None:
+    """The torch threads of one engine process (None: leave torch's own): `cpu_threads` where given;
+    else, on the CPU, a tensor-parallel rank its share of the host's cores (the ranks' spinning threads
+    would starve each other) and a single process the physical cores it may use (a hyperthread sibling
+    shares its core's vector units and memory path), never more than it was given (a data-parallel
+    core's share of the host's)."""
+    if config.cpu_threads is not None:
+        return config.cpu_threads
+    if torch.device(config.device).type != "cpu":
+        return None
+    if config.tensor_parallel_size > 1:
+        return max(1, (os.cpu_count() or 1) // config.tensor_parallel_size)
+    return min(physical_cpu_cores(), torch.get_num_threads())
 
 
 def cpu_supports_bf16() -> bool:

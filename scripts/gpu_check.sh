@@ -80,14 +80,15 @@ multiturn() {
   [ -n "${BASELINE:-}" ] && multiturn_arm baseline "$(cd "$BASELINE" && pwd)"
   multiturn_arm token "$root"
   python3 - "$OUTDIR" <<'EOF'
-import json, os, re, sys
+import json, os, sys
+from prometheus_client.parser import text_string_to_metric_families
 def server_side(name):  # from /metrics: mean TTFT as the server saw it (arrival to the engine's first token), ms per step
     path = os.path.join(sys.argv[1], f"multi_turn_metrics_{name}.txt")
-    values = {}
-    for line in open(path) if os.path.exists(path) else ():
-        m = re.match(r"^([a-z_:]+?)(?:_total)?(?:\{[^}]*\})? ([0-9.e+-]+)$", line)
-        if m:
-            values[m.group(1)] = values.get(m.group(1), 0.0) + float(m.group(2))
+    values = {}  # sample name (counters without _total) -> the sum over its label sets
+    for family in text_string_to_metric_families(open(path).read() if os.path.exists(path) else ""):
+        for sample in family.samples:
+            key = sample.name.removesuffix("_total")
+            values[key] = values.get(key, 0.0) + sample.value
     ttft = values.get("vllm:time_to_first_token_seconds_sum", 0) / max(values.get("vllm:time_to_first_token_seconds_count", 0), 1)
     step = values.get("nanovllm:engine_step_seconds", 0) / max(values.get("nanovllm:engine_steps", 0), 1)
     return 1e3 * ttft, 1e3 * step

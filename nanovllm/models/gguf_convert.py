@@ -18,10 +18,10 @@ import torch
 import xxhash
 from gguf import GGML_QUANT_SIZES, GGUFReader
 from gguf.quants import dequantize
-
-from nanovllm.models.gguf_q4 import Q4_BLOCKS_FILE, is_q4, q4_blocks
 from safetensors.torch import save_file
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, processors
+
+from nanovllm.models.gguf_q4 import Q4_BLOCKS_FILE, is_q4, q4_blocks
 
 SUPPORTED_ARCHITECTURES = ("llama",)
 # Bump whenever the output format changes, so stale cache entries are not reused.

@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 from nanovllm.attention.registry import get_attention_backend
-from nanovllm.config import Config, physical_cpu_cores
+from nanovllm.config import Config, torch_threads
 from nanovllm.distributed import (broadcast_from_rank0, enable_one_shot_all_reduce, min_over_ranks, set_tensor_parallel,
                                   tp_rank, tp_size)
 from nanovllm.engine.scheduler import ScheduledBatch
@@ -123,10 +123,8 @@ class ModelRunner:
         self.block_size = config.kvcache_block_size
         set_tensor_parallel(rank, config.tensor_parallel_size)
         torch.manual_seed(config.seed)
-        if self.device.type == "cpu" and config.tensor_parallel_size == 1:
-            # Physical cores: a hyperthread sibling shares its core's vector units and memory path.
-            # Never more than the process was given (a data-parallel core's share of the host's).
-            torch.set_num_threads(config.cpu_threads or min(physical_cpu_cores(), torch.get_num_threads()))
+        if (threads := torch_threads(config)) is not None:
+            torch.set_num_threads(threads)
         self.model = build_model(config.hf_config, config.torch_dtype, self.device, config.quant_config)
         if config.load_format == "dummy":
             init_dummy_weights(self.model, config.seed)

@@ -38,7 +38,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from nanovllm import distributed
-from nanovllm.config import Config
+from nanovllm.config import Config, torch_threads
 from nanovllm.engine.scheduler import ScheduledBatch
 from nanovllm.worker.model_runner import ModelRunner, StepOutput
 from nanovllm.worker.tp_worker import STOP, rank_device, worker_main
@@ -87,7 +87,7 @@ class TensorParallelExecutor:
             # The ranks share the host's cores: like each worker, rank 0 takes its share only, or
             # the spinning threads of one rank starve another that a collective waits for.
             self._group.saved_threads = torch.get_num_threads()
-            torch.set_num_threads(max(1, (os.cpu_count() or 1) // self.size))
+            torch.set_num_threads(torch_threads(config))
         self._finalizer = weakref.finalize(self, _teardown, self._group)
         # Also an explicit atexit hook: registered after multiprocessing's own, it runs first,
         # before multiprocessing waits for its children at exit.

@@ -34,13 +34,14 @@ def worker_main(rank: int, config, port: int, timeout_s: float, conn):
     exit_with_parent()
     try:
         from nanovllm import distributed
+        from nanovllm.config import torch_threads
         from nanovllm.worker.model_runner import ModelRunner
 
         config = copy.copy(config)
         config.device = rank_device(config.device, rank)
-        if config.device.type == "cpu":
+        if (threads := torch_threads(config)) is not None:
             # The ranks share the host's cores; without this each would start one thread per core.
-            torch.set_num_threads(max(1, (os.cpu_count() or 1) // config.tensor_parallel_size))
+            torch.set_num_threads(threads)
         conn.send(("hello", None))
         distributed.init_process_group(rank, config.tensor_parallel_size, port, config.device, timeout_s)
         runner = ModelRunner(config, rank)
