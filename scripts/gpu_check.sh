@@ -79,32 +79,35 @@ multiturn() {
   multiturn_arm off "$root" --no-enable-prefix-caching
   [ -n "${BASELINE:-}" ] && multiturn_arm baseline "$(cd "$BASELINE" && pwd)"
   multiturn_arm token "$root"
+  CLIENT_ARGS="--processes 4" multiturn_arm token_4clients "$root"  # is one client process what paces the streams?
   python3 - "$OUTDIR" <<'EOF'
 import json, os, sys
 from prometheus_client.parser import text_string_to_metric_families
-def server_side(name):  # from /metrics: mean TTFT as the server saw it (arrival to the engine's first token), ms per step
-    path = os.path.join(sys.argv[1], f"multi_turn_metrics_{name}.txt")
+def server_side(name):  # from /metrics, means in ms: TTFT as the server saw it (arrival to the engine's first
+    path = os.path.join(sys.argv[1], f"multi_turn_metrics_{name}.txt")  # token), its queue and prefill parts, a step
     values = {}  # sample name (counters without _total) -> the sum over its label sets
     for family in text_string_to_metric_families(open(path).read() if os.path.exists(path) else ""):
         for sample in family.samples:
             key = sample.name.removesuffix("_total")
             values[key] = values.get(key, 0.0) + sample.value
-    ttft = values.get("vllm:time_to_first_token_seconds_sum", 0) / max(values.get("vllm:time_to_first_token_seconds_count", 0), 1)
-    step = values.get("nanovllm:engine_step_seconds", 0) / max(values.get("nanovllm:engine_steps", 0), 1)
-    return 1e3 * ttft, 1e3 * step
+    def mean(metric, count=None):
+        return 1e3 * values.get(metric + "_sum", values.get(metric, 0)) / max(values.get(count or metric + "_count", 0), 1)
+    return (mean("vllm:time_to_first_token_seconds"), mean("vllm:request_queue_time_seconds"),
+            mean("vllm:request_prefill_time_seconds"), mean("nanovllm:engine_step_seconds", "nanovllm:engine_steps"))
 rows = []
-for name in ("off", "baseline", "token"):
+for name in ("off", "baseline", "token", "token_4clients"):
     path = os.path.join(sys.argv[1], f"multi_turn_{name}.json")
     if os.path.exists(path):
         rows.append((name, json.load(open(path))))
 off = dict(rows).get("off")
-print(f"{'arm':<10}{'hit rate':>10}{'ideal':>8}{'TTFT p50 ms':>13}{'p99 ms':>10}{'p50 vs off':>12}{'mean ms':>9}"
-      f"{'server mean':>13}{'step ms':>9}")
+print(f"{'arm':<15}{'hit rate':>9}{'ideal':>8}{'TTFT p50':>9}{'p99':>8}{'vs off':>8}{'mean':>7}"
+      f"{'server':>8}{'queue':>7}{'prefill':>8}{'step':>6}{'client CPU':>11}   (ms; server-side means from /metrics)")
 for name, s in rows:
     ratio = off["ttft_ms"]["p50"] / s["ttft_ms"]["p50"] if off else float("nan")
-    server_ttft, step = server_side(name)
-    print(f"{name:<10}{s['hit_rate']:>10.2%}{s['ideal_hit_rate']:>8.2%}{s['ttft_ms']['p50']:>13.1f}"
-          f"{s['ttft_ms']['p99']:>10.1f}{ratio:>11.2f}x{s['ttft_ms']['mean']:>9.1f}{server_ttft:>13.1f}{step:>9.2f}")
+    ttft, queue, prefill, step = server_side(name)
+    print(f"{name:<15}{s['hit_rate']:>9.2%}{s['ideal_hit_rate']:>8.2%}{s['ttft_ms']['p50']:>9.1f}"
+          f"{s['ttft_ms']['p99']:>8.1f}{ratio:>7.2f}x{s['ttft_ms']['mean']:>7.1f}{ttft:>8.1f}{queue:>7.1f}{prefill:>8.1f}"
+          f"{step:>6.2f}{s.get('client_cpu_share', float('nan')):>10.0%}")
 EOF
 }
 
@@ -115,7 +118,7 @@ multiturn_arm() {  # multiturn_arm NAME ENGINE_DIR SERVER_ARGS...: a server from
   local server=$!
   for _ in $(seq 300); do curl -sf http://127.0.0.1:8000/health > /dev/null && break; sleep 1; done
   echo "=== $name ($dir $*)"
-  PYTHONPATH=/tmp/site python3 bench_serving.py --base-url http://127.0.0.1:8000 --multi-turn $args \
+  PYTHONPATH=/tmp/site python3 bench_serving.py --base-url http://127.0.0.1:8000 --multi-turn $args ${CLIENT_ARGS:-} \
     --json-out "$OUTDIR/multi_turn_$name.json" || status=1
   curl -sf http://127.0.0.1:8000/metrics > "$OUTDIR/multi_turn_metrics_$name.txt"  # the server's side of TTFT
   kill -TERM $server; wait $server

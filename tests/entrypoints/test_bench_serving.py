@@ -106,7 +106,18 @@ def test_multi_turn_against_a_server_that_spells_text(tiny_server, tmp_path):
         assert t["cached_tokens"] >= t["shared_tokens"]
 
 
-def test_multi_turn_rejects_several_client_processes(capsys):
-    with pytest.raises(SystemExit):
-        bench_serving.main(["--multi-turn", "--processes", "2"])
-    assert "one client process" in capsys.readouterr().err
+def test_multi_turn_over_two_client_processes(server_without_tokenizer, tmp_path):
+    """The conversations are dealt to the processes: the same turns, prompts and reuse as in one."""
+    summaries = []
+    for processes in (1, 2):
+        out = tmp_path / f"multi{processes}.json"
+        assert bench_serving.main(["--base-url", server_without_tokenizer.url, *MULTI_TURN, "--processes",
+                                   str(processes), "--json-out", str(out)]) == 0
+        summaries.append(json.loads(out.read_text()))
+    one, two = ({(t["conversation"], t["turn"]): (t["prompt_len"], t["shared_tokens"]) for t in s["turns"]}
+                for s in summaries)
+    assert one == two and len(one) >= 6
+    assert summaries[1]["client_processes"] == 2 and summaries[1]["failed"] == 0
+    assert summaries[1]["client_cpu_share"] > 0
+    # The second run's prompts are the first's, all cached by then: at least the ideal's reuse.
+    assert summaries[1]["hit_rate"] >= summaries[1]["ideal_hit_rate"] - 0.02
