@@ -79,7 +79,6 @@ multiturn() {
   multiturn_arm off "$root" --no-enable-prefix-caching
   [ -n "${BASELINE:-}" ] && multiturn_arm baseline "$(cd "$BASELINE" && pwd)"
   multiturn_arm token "$root"
-  CLIENT_ARGS="--processes 4" multiturn_arm token_4clients "$root"  # is one client process what paces the streams?
   python3 - "$OUTDIR" <<'EOF'
 import json, os, sys
 from prometheus_client.parser import text_string_to_metric_families
@@ -95,7 +94,7 @@ def server_side(name):  # from /metrics, means in ms: TTFT as the server saw it 
     return (mean("vllm:time_to_first_token_seconds"), mean("vllm:request_queue_time_seconds"),
             mean("vllm:request_prefill_time_seconds"), mean("nanovllm:engine_step_seconds", "nanovllm:engine_steps"))
 rows = []
-for name in ("off", "baseline", "token", "token_4clients"):
+for name in ("off", "baseline", "token"):
     path = os.path.join(sys.argv[1], f"multi_turn_{name}.json")
     if os.path.exists(path):
         rows.append((name, json.load(open(path))))
@@ -118,7 +117,8 @@ multiturn_arm() {  # multiturn_arm NAME ENGINE_DIR SERVER_ARGS...: a server from
   local server=$!
   for _ in $(seq 300); do curl -sf http://127.0.0.1:8000/health > /dev/null && break; sleep 1; done
   echo "=== $name ($dir $*)"
-  PYTHONPATH=/tmp/site python3 bench_serving.py --base-url http://127.0.0.1:8000 --multi-turn $args ${CLIENT_ARGS:-} \
+  PYTHONPATH=/tmp/site python3 bench_serving.py --base-url http://127.0.0.1:8000 --multi-turn $args \
+    --processes "${CLIENT_PROCESSES:-4}" \
     --json-out "$OUTDIR/multi_turn_$name.json" || status=1
   curl -sf http://127.0.0.1:8000/metrics > "$OUTDIR/multi_turn_metrics_$name.txt"  # the server's side of TTFT
   kill -TERM $server; wait $server

@@ -5,12 +5,14 @@ of 4-bit codes q, weight j in the low nibble of byte j and weight j + 16 in the 
 is d * q + m (Q4_1) or d * (q - 8) (Q4_0), which `gguf.quants.dequantize` computes the same way.
 """
 import numpy as np
-from gguf import GGMLQuantizationType
 
 BLOCK = 32
 # In a converted model, beside (not among) its *.safetensors weights: "{HF linear name}.codes|scale|offset"
 Q4_BLOCKS_FILE = "gguf_q4/blocks.safetensors"
-_HEADER_BYTES = {GGMLQuantizationType.Q4_0: 2, GGMLQuantizationType.Q4_1: 4}
+# GGMLQuantizationType's values (Q4_0 = 2, Q4_1 = 3) rather than the enum: the model runner imports this
+# module, and an engine that loads safetensors must not need the gguf package.
+_Q4_0, _Q4_1 = 2, 3
+_HEADER_BYTES = {_Q4_0: 2, _Q4_1: 4}
 
 
 def is_q4(tensor) -> bool:
@@ -24,7 +26,7 @@ def q4_blocks(tensor) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     n, k = int(tensor.shape[1]), int(tensor.shape[0])  # GGUF lists dimensions fastest-first
     blocks = np.asarray(tensor.data, dtype=np.uint8).reshape(n, k // BLOCK, header + BLOCK // 2)
     scale = blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
-    if tensor.tensor_type == GGMLQuantizationType.Q4_1:
+    if tensor.tensor_type == _Q4_1:
         offset = blocks[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32)
     else:
         offset = -8 * scale
