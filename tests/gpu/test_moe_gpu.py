@@ -69,7 +69,7 @@ def test_qwen3_30b_a3b_layers_bf16_kernels_agree_with_torch_path(tmp_path, monke
         a = greedy(fast, prompts, 8)
     assert routed and max(routed) > 768  # decode and prefill sizes took the kernels
 
-    def torch_path(self, x, logits):
+    def torch_path(self, x, logits, padding_slots=None):  # forward passes the slot mapping (padding rows)
         weights, ids = self.route_torch(logits)
         return self.experts_torch(x, weights, ids)
     monkeypatch.setattr(SparseMoeBlock, "_forward_kernels", torch_path)
