@@ -15,7 +15,8 @@
 #   multiturn the multi-turn chat benchmark (bench_serving.py --multi-turn): the same conversations against a
 #             server with prefix reuse off, against the engine in $BASELINE if given (an older nanovllm, e.g.
 #             full-block reuse only), and with this tree's token-granular reuse; Qwen3-0.6B, random bf16
-#             weights, 256-token blocks; then a table of hit rates and TTFTs. MULTI_TURN_ARGS replaces the
+#             weights, 256-token blocks, CLIENT_PROCESSES client processes (default 4: one paces the streams);
+#             then a table of hit rates and TTFTs. MULTI_TURN_ARGS replaces the
 #             workload. Here, once:  bash scripts/fetch_device_wheels.sh
 #                                    mkdir -p .baseline && git archive 891e5c4 nanovllm | tar -x -C .baseline \
 #                                      && echo /.baseline/ >> .git/info/exclude   (891e5c4: before token-granular reuse)
