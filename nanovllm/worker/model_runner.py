@@ -158,6 +158,7 @@ class ModelRunner:
             enable_one_shot_all_reduce(self.device, config.torch_dtype)
         self.graph_runner = None
         self.piecewise = None
+        self.verify_graphs = None  # speculative verification steps (worker/verify_graph.py)
         self.stage = HostToDevice(self.device)
         self.bitmasks = BitmaskBuffers(config.max_num_seqs, config.hf_config.vocab_size, self.device,
                                        config.max_num_seqs * self.max_query_len)
@@ -179,6 +180,13 @@ class ModelRunner:
                                                 bitmasks=self.bitmasks)
             self.graph_runner.capture()
             self._token_ring = PinnedTokenRing(config.max_num_seqs)
+            if spec is not None and config.tensor_parallel_size == 1:
+                from nanovllm.worker.verify_graph import VerifyGraphRunner
+                self.verify_graphs = VerifyGraphRunner(
+                    self.model, min(config.max_num_seqs, spec.disable_by_batch_size), self.max_query_len,
+                    self.max_blocks_per_seq, config.hf_config.vocab_size, config.torch_dtype, self.device,
+                    config.max_model_len, pool=self.graph_runner.pool)
+                self.verify_graphs.capture()
             from nanovllm.worker import piecewise_graph
             # With tensor parallelism the pieces hold the all-reduces, captured in the same order on every rank.
             if piecewise_graph.ENABLED:
@@ -345,6 +353,11 @@ class ModelRunner:
             if batch.kv_copies:  # a prefix hit one token short of the prompt admits a "decode"
                 self.copy_kv_prefixes(kv_copies_array(batch.kv_copies))
             return self._execute_graphed_decode(batch.seqs, defer_sampling)
+        v = self.verify_graphs
+        if v is not None and v.fits(batch):
+            if batch.kv_copies:
+                self.copy_kv_prefixes(kv_copies_array(batch.kv_copies))
+            return self._sampled_step(batch.seqs, v.run(batch, self.block_size), batch.spec, defer_sampling)
         host = self.host_inputs(batch)
         seqs = [batch.seqs[i] for i in host.sample_rows]
         return self.run(host, seqs, defer_sampling)
@@ -398,12 +411,17 @@ class ModelRunner:
         logits = self.forward(host)
         if sample_seqs is None or logits is None:
             return StepOutput([], None)
-        drafts = host.sample_drafts
-        meta = self._sampling_metadata(sample_seqs, drafts)
+        return self._sampled_step(sample_seqs, logits, host.sample_drafts, defer_sampling)
+
+    def _sampled_step(self, seqs: list[Sequence], logits: torch.Tensor, drafts: list[list[int]] | None,
+                      defer_sampling: bool) -> StepOutput:
+        """The eager sampler's draw of seqs' rows of logits (with drafts: each verified position's),
+        or (defer_sampling) the step whose draw `sample` launches."""
+        meta = self._sampling_metadata(seqs, drafts)
         if defer_sampling:
-            return StepOutput(sample_seqs, None, deferred=_DeferredDraw(logits, meta, None, self._forward_done()),
+            return StepOutput(seqs, None, deferred=_DeferredDraw(logits, meta, None, self._forward_done()),
                               drafts=drafts)
-        return StepOutput(sample_seqs, self._draw(sample_seqs, logits, meta, drafts is not None), drafts=drafts)
+        return StepOutput(seqs, self._draw(seqs, logits, meta, drafts is not None), drafts=drafts)
 
     @torch.inference_mode()
     def forward(self, host: HostInputs, last_sampled: torch.Tensor | None = None) -> torch.Tensor | None:
@@ -501,10 +519,10 @@ class ModelRunner:
         if self.graph_runner is None and self.piecewise is None:
             return
         torch.cuda.synchronize(self.device)
-        for graphs in (self.graph_runner, self.piecewise):
+        for graphs in (self.graph_runner, self.piecewise, self.verify_graphs):
             if graphs is not None:
                 graphs.reset()
-        self.graph_runner = self.piecewise = None
+        self.graph_runner = self.piecewise = self.verify_graphs = None
 
     def shutdown(self):
         """Release the device memory this runner holds (the model, the cache, the graphs)."""

@@ -1,5 +1,6 @@
 """Speculative decoding on a CUDA GPU: the Triton backend's verification steps, CUDA graphs (the
-draft model's one-token steps replay them) and overlapped steps give the tokens of plain decoding,
+verification steps replay worker/verify_graph.py's, the draft model's one-token steps the decode
+graphs) and overlapped steps give the tokens of plain decoding,
 greedy and seeded, n-gram and draft model, with the speculation switch flipping per step."""
 import pytest
 
@@ -25,6 +26,7 @@ def test_speculation_gives_plain_decodings_tokens_fp32(model_factory, tmp_path, 
     from helpers import make_model
     target = model_factory("qwen3")
     with LLM(target, **KW) as llm:
+        assert llm.engine.model_runner.verify_graphs is None  # no speculation: nothing more captured
         plain = _tokens(llm)
     spec = {"ngram": {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3},
             "self_draft": {"method": "draft_model", "model": target, "num_speculative_tokens": 3},
@@ -36,8 +38,54 @@ def test_speculation_gives_plain_decodings_tokens_fp32(model_factory, tmp_path, 
         assert llm.engine.overlap
         got = _tokens(llm)
         metrics = llm.get_metrics()
+        verify_graphs = llm.engine.model_runner.verify_graphs
+        assert (verify_graphs is None) == enforce_eager
+        if verify_graphs is not None:  # the verification steps (all pure here) replayed a captured graph
+            assert verify_graphs.replays > 0
         assert llm.engine.block_manager.num_free_blocks == llm.engine.block_manager.num_blocks
     assert got == plain
     assert metrics["spec_decode_num_draft_tokens"] > 0
     if method != "draft":
         assert metrics["spec_decode_num_accepted_tokens"] > 0
+
+
+def test_verification_graph_gives_the_general_paths_logits_fp32(model_factory):
+    """One verification step replayed from the captured graph (windows of k + 1 rows, the
+    multi-query decode kernel) against the same step on the general path (piecewise graphs, the
+    decode and prefill kernels): a block boundary inside a window, a plain decode row, a context
+    shorter than the window, and a padding sequence (3 sequences in the 4-sequence graph)."""
+    import torch
+
+    from nanovllm.engine.scheduler import ScheduledBatch
+    from nanovllm.engine.sequence import Sequence
+    k = 3
+    spec = {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_min": 1, "prompt_lookup_max": 2,
+            "disable_by_batch_size": 6}
+    with LLM(model_factory("qwen3"), kvcache_block_size=16, speculative_config=spec, **KW) as llm:
+        runner = llm.engine.model_runner
+        graphs = runner.verify_graphs
+        assert graphs.batch_sizes == [1, 2, 4, 6] and graphs.query_len == k + 1
+        prompts = [list(range(40, 71)), list(range(5, 25)), [7, 8]]
+        seqs, next_block = [], 0
+        for i, prompt in enumerate(prompts):
+            seq = Sequence(list(prompt), SamplingParams(temperature=0.0), seed=i)
+            num = -(-(len(prompt) + k) // runner.block_size)
+            seq.block_table = list(range(next_block, next_block + num))
+            next_block += num
+            seqs.append(seq)
+        runner.execute(ScheduledBatch(seqs, [len(p) - 1 for p in prompts], num_decodes=0)).token_ids()
+        for seq in seqs:
+            seq.num_computed_tokens = seq.num_tokens - 1
+        drafts = [[1, 2, 3], [], [9, 10, 11]]
+        order = [1, 0, 2]  # decodes first, as the scheduler orders a batch
+        batch = ScheduledBatch([seqs[i] for i in order], [len(drafts[i]) + 1 for i in order], num_decodes=1,
+                               spec=[drafts[i] for i in order])
+        assert graphs.fits(batch)
+        expect = runner.forward(runner.host_inputs(batch)).float()
+        before = graphs.replays
+        got = graphs.run(batch, runner.block_size).float()
+        torch.cuda.synchronize()
+        assert graphs.replays == before + 1
+    assert got.shape == expect.shape == (9, expect.shape[1])
+    torch.testing.assert_close(got, expect, rtol=2e-3, atol=2e-3)
+    assert torch.equal(got.argmax(-1), expect.argmax(-1))
