@@ -27,9 +27,9 @@ def greedy_topk(llm, prompts, n, k=20):
 BF16_NEAR_TIE = 0.1
 
 
-def assert_bf16_agreement(ours, reference, what):
+def assert_bf16_agreement(ours, reference, what, near_tie=BF16_NEAR_TIE):
     """Token-equal to the reference until a divergence where our token was a near-tie of the
-    reference's (within BF16_NEAR_TIE of its logprob, by the reference's own logprobs); after that the
+    reference's (within near_tie of its logprob, by the reference's own logprobs); after that the
     continuations are not comparable. (Random weights give flat distributions: the near-tie may be
     the reference's third or fourth candidate, not only its runner-up.)"""
     for i, (tokens, (ref_tokens, ref_topk)) in enumerate(zip(ours, reference)):
@@ -37,7 +37,21 @@ def assert_bf16_agreement(ours, reference, what):
             if a == b:
                 continue
             top = ref_topk[j]
-            assert a in top and top[b] - top[a] < BF16_NEAR_TIE, (
+            assert a in top and top[b] - top[a] < near_tie, (
                 f"{what}: prompt {i} token {j}: ours {a} ({top.get(a, 'not in the reference top-k')}), "
                 f"reference {b} ({top[b]:.4f})\nours {tokens}\nref  {ref_tokens}")
             break
+
+
+def reference_spread(first, second, top=5):
+    """The largest logprob difference between two equally valid references (greedy_topk results),
+    over each position's `top` best tokens, at the positions where both chose the same tokens so far:
+    how far the reference itself is determined."""
+    spread = 0.0
+    for (tokens_a, topk_a), (tokens_b, topk_b) in zip(first, second):
+        for j, (a, b) in enumerate(zip(tokens_a, tokens_b)):
+            if a != b:
+                break
+            best = sorted(topk_a[j], key=topk_a[j].get, reverse=True)[:top]
+            spread = max(spread, max(abs(topk_a[j][t] - topk_b[j][t]) for t in best if t in topk_b[j]))
+    return spread
