@@ -133,8 +133,8 @@ def test_smol_chat(smol_server):
     greedy = dict(model=model, messages=CHAT, max_tokens=24, temperature=0.0)
     seeded = dict(greedy, max_tokens=12, temperature=0.9, seed=42)
     # Pair by pair: the CPU's decode products differ between batches of up to 2 rows (int4) and larger
-    # ones (bf16), so a seeded text is reproducible only among requests that share their steps' batch
-    # sizes (a known defect, issue 43). Two at a time keep every step at 1-2 rows.
+    # ones (bf16), so, as in vLLM, a seeded text is reproducible among requests whose steps have the
+    # same batch sizes (docs/performance.md). Two at a time keep every step at 1-2 rows.
     full, streamed = _together(lambda: client.chat.completions.create(**greedy),
                                lambda: _stream_chat(client, **greedy))
     full_seeded, streamed_seeded = _together(lambda: client.chat.completions.create(**seeded),
