@@ -299,3 +299,22 @@ def long_context_copy(model_dir: str, dest: str, positions: int = 8192) -> str:
         json.dump(config, f)
     return dest
 
+
+
+def prefilled_sequences(runner, prompts: list[list[int]], room: int) -> list:
+    """Greedy sequences whose prompts but the last token are in the runner's KV cache (as after a
+    prefill), each with blocks for `room` more tokens: the inputs of a hand-built verification step."""
+    from nanovllm import SamplingParams
+    from nanovllm.engine.scheduler import ScheduledBatch
+    from nanovllm.engine.sequence import Sequence
+    seqs, next_block = [], 0
+    for i, prompt in enumerate(prompts):
+        seq = Sequence(list(prompt), SamplingParams(temperature=0.0), seed=i)
+        num = -(-(len(prompt) + room) // runner.block_size)
+        seq.block_table = list(range(next_block, next_block + num))
+        next_block += num
+        seqs.append(seq)
+    runner.execute(ScheduledBatch(seqs, [len(p) - 1 for p in prompts], num_decodes=0)).token_ids()
+    for seq in seqs:
+        seq.num_computed_tokens = seq.num_tokens - 1
+    return seqs

@@ -62,13 +62,8 @@ def build_host_inputs(batch: ScheduledBatch, block_size: int,
     new = np.asarray(counts, dtype=np.int64)
     seq_lens = computed + new
 
-    tables = [s.block_table for s in seqs]
-    table_lens = np.fromiter(map(len, tables), np.int64, num_seqs)
-    block_tables = np.zeros((num_seqs, int(table_lens.max())), dtype=np.int32)
-    flat = np.fromiter(chain.from_iterable(tables), np.int32, int(table_lens.sum()))
-    row_starts = np.cumsum(table_lens) - table_lens
-    block_tables[np.repeat(np.arange(num_seqs), table_lens),
-                 np.arange(flat.size) - np.repeat(row_starts, table_lens)] = flat
+    width = max(len(s.block_table) for s in seqs)
+    block_tables = fill_block_tables(np.zeros((num_seqs, width), dtype=np.int32), seqs)
 
     # Decodes: one token each, possibly a placeholder for the previous step's sample.
     decode_ids = np.fromiter((s.token_ids[s.num_computed_tokens] for s in seqs[:nd]), np.int64, nd)
@@ -118,6 +113,19 @@ def kv_copies_array(copies: list[tuple[int, int, int]]) -> np.ndarray | None:
 SEED_MASK = (1 << 64) - 1  # a seed is any Python int; the noise hash sees its low 64 bits
 
 
+def fill_block_tables(block_tables: np.ndarray, seqs: list[Sequence]) -> np.ndarray:
+    """Row i of block_tables [>= len(seqs), max blocks] takes seqs[i]'s block table (one scatter,
+    no loop over the sequences); what lies past a table's end is left as it was."""
+    n = len(seqs)
+    tables = [s.block_table for s in seqs]
+    table_lens = np.fromiter(map(len, tables), np.int64, n)
+    flat = np.fromiter(chain.from_iterable(tables), np.int32, int(table_lens.sum()))
+    row_starts = np.cumsum(table_lens) - table_lens
+    rows = np.repeat(np.arange(n), table_lens)
+    block_tables[rows, np.arange(flat.size) - row_starts[rows]] = flat
+    return block_tables
+
+
 def fill_decode_inputs(views: dict[str, np.ndarray], seqs: list[Sequence], padded: int, block_size: int,
                        last_row_of_seq: dict[int, int]):
     """A pure decode step's inputs, written straight into the CUDA graphs' packed host buffer
@@ -140,13 +148,7 @@ def fill_decode_inputs(views: dict[str, np.ndarray], seqs: list[Sequence], padde
     seq_lens[:n] = pos[:n] + 1
     seq_lens[n:padded] = 0
 
-    tables = [s.block_table for s in seqs]
-    table_lens = np.fromiter(map(len, tables), np.int64, n)
-    flat = np.fromiter(chain.from_iterable(tables), np.int32, int(table_lens.sum()))
-    row_starts = np.cumsum(table_lens) - table_lens
-    rows = np.repeat(np.arange(n), table_lens)
-    block_tables = views["block_tables"]
-    block_tables[rows, np.arange(flat.size) - row_starts[rows]] = flat
+    block_tables = fill_block_tables(views["block_tables"], seqs)
     slots = views["slot_mapping"]
     slots[:n] = block_tables[np.arange(n), pos[:n] // block_size].astype(np.int64) * block_size + pos[:n] % block_size
     slots[n:padded] = -1

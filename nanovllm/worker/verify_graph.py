@@ -18,6 +18,7 @@ verification step). Others run the general path. The graphs write the logits of 
 the step's real rows are gathered (in each sequence's order: its last token, then one per draft)
 for the eager sampler, which draws every verified position as plain decoding would.
 """
+
 from itertools import chain
 
 import numpy as np
@@ -25,6 +26,7 @@ import torch
 
 from nanovllm.attention.base import AttentionMetadata
 from nanovllm.worker.cuda_graph import PackedInputs, batch_size_ladder
+from nanovllm.worker.inputs import fill_block_tables
 
 
 def verify_step_fits(batch, query_len: int, max_bs: int) -> bool:
@@ -51,13 +53,7 @@ def fill_verify_inputs(views: dict[str, np.ndarray], batch, padded: int, query_l
     seq_lens[:n] = computed + counts
     seq_lens[n:padded] = 0
 
-    tables = [s.block_table for s in seqs]
-    table_lens = np.fromiter(map(len, tables), np.int64, n)
-    flat = np.fromiter(chain.from_iterable(tables), np.int32, int(table_lens.sum()))
-    row_starts = np.cumsum(table_lens) - table_lens
-    rows = np.repeat(np.arange(n), table_lens)
-    block_tables = views["block_tables"]
-    block_tables[rows, np.arange(flat.size) - row_starts[rows]] = flat
+    block_tables = fill_block_tables(views["block_tables"], seqs)
 
     # Window column c of sequence i holds position seq_len - Q + c; its last counts[i] columns are real.
     column = np.arange(q)

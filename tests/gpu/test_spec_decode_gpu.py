@@ -56,8 +56,8 @@ def test_verification_graph_gives_the_general_paths_logits_fp32(model_factory):
     shorter than the window, and a padding sequence (3 sequences in the 4-sequence graph)."""
     import torch
 
+    from helpers import prefilled_sequences
     from nanovllm.engine.scheduler import ScheduledBatch
-    from nanovllm.engine.sequence import Sequence
     k = 3
     spec = {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_min": 1, "prompt_lookup_max": 2,
             "disable_by_batch_size": 6}
@@ -65,17 +65,7 @@ def test_verification_graph_gives_the_general_paths_logits_fp32(model_factory):
         runner = llm.engine.model_runner
         graphs = runner.verify_graphs
         assert graphs.batch_sizes == [1, 2, 4, 6] and graphs.query_len == k + 1
-        prompts = [list(range(40, 71)), list(range(5, 25)), [7, 8]]
-        seqs, next_block = [], 0
-        for i, prompt in enumerate(prompts):
-            seq = Sequence(list(prompt), SamplingParams(temperature=0.0), seed=i)
-            num = -(-(len(prompt) + k) // runner.block_size)
-            seq.block_table = list(range(next_block, next_block + num))
-            next_block += num
-            seqs.append(seq)
-        runner.execute(ScheduledBatch(seqs, [len(p) - 1 for p in prompts], num_decodes=0)).token_ids()
-        for seq in seqs:
-            seq.num_computed_tokens = seq.num_tokens - 1
+        seqs = prefilled_sequences(runner, [list(range(40, 71)), list(range(5, 25)), [7, 8]], k)
         drafts = [[1, 2, 3], [], [9, 10, 11]]
         order = [1, 0, 2]  # decodes first, as the scheduler orders a batch
         batch = ScheduledBatch([seqs[i] for i in order], [len(drafts[i]) + 1 for i in order], num_decodes=1,

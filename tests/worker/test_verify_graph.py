@@ -5,6 +5,7 @@ capture and replay themselves run on the GPU (tests/gpu/test_spec_decode_gpu.py)
 import numpy as np
 import torch
 
+from helpers import prefilled_sequences
 from nanovllm import LLM
 from nanovllm.engine.scheduler import ScheduledBatch
 from nanovllm.engine.sequence import Sequence
@@ -23,21 +24,6 @@ def _views(bs: int, max_blocks: int) -> dict[str, np.ndarray]:
             "block_tables": np.zeros((bs, max_blocks), np.int32)}
 
 
-def _prefilled(runner, prompts: list[list[int]]) -> list[Sequence]:
-    """Sequences whose prompts but the last token are in the runner's cache (as after a prefill)."""
-    seqs, next_block, bsz = [], 0, runner.block_size
-    for i, prompt in enumerate(prompts):
-        seq = Sequence(list(prompt), SamplingParams(temperature=0.0), seed=i)
-        num = -(-(len(prompt) + K) // bsz)
-        seq.block_table = list(range(next_block, next_block + num))
-        next_block += num
-        seqs.append(seq)
-    runner.execute(ScheduledBatch(seqs, [len(p) - 1 for p in prompts], num_decodes=0)).token_ids()
-    for seq in seqs:
-        seq.num_computed_tokens = seq.num_tokens - 1
-    return seqs
-
-
 def test_window_layout_gives_the_general_paths_logits(model_factory):
     spec = {"method": "ngram", "num_speculative_tokens": K, "prompt_lookup_min": 1, "prompt_lookup_max": 2}
     with LLM(model_factory("qwen3"), dtype="float32", max_model_len=256, kvcache_block_size=16,
@@ -45,7 +31,7 @@ def test_window_layout_gives_the_general_paths_logits(model_factory):
         runner = llm.engine.model_runner
         # A block boundary inside a window (20 + 3 drafts crosses 16 -> 32... at 31/32), a plain decode row,
         # a context shorter than the window (2 tokens, 3 drafts: padding rows before the context's start).
-        seqs = _prefilled(runner, [list(range(40, 71)), list(range(5, 25)), [7, 8]])
+        seqs = prefilled_sequences(runner, [list(range(40, 71)), list(range(5, 25)), [7, 8]], K)
         drafts = [[1, 2, 3], [], [9, 10, 11]]
         order = [1, 0, 2]  # decodes first, as the scheduler orders a batch
         batch = ScheduledBatch([seqs[i] for i in order], [len(drafts[i]) + 1 for i in order], num_decodes=1,
