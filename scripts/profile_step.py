@@ -1,6 +1,7 @@
 """Where a decode step's time goes on the GPU: wall time per step and the top kernels.
 
-    python scripts/profile_step.py [--batch 256] [--config benchmarks/configs/qwen3-0.6b.json] [--trace DIR] [--replay]
+    python scripts/profile_step.py [--batch 256] [--config benchmarks/configs/qwen3-0.6b.json] [--quantization fp8]
+                                   [--trace DIR] [--replay]
     python scripts/profile_step.py --prefill   (bench.py's prefill and mixed steps, each profiled alone)
 
 With --prefill the benchmark's requests (its prompts and max_tokens, on other prompt tokens after a
@@ -26,10 +27,10 @@ from nanovllm import LLM, SamplingParams  # noqa: E402
 DEFAULT_CONFIG = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "benchmarks/configs/qwen3-0.6b.json")
 
 
-def random_weight_llm(config: str = DEFAULT_CONFIG) -> LLM:
+def random_weight_llm(config: str = DEFAULT_CONFIG, quantization: str | None = None) -> LLM:
     tmp = tempfile.mkdtemp()
     shutil.copy(config, os.path.join(tmp, "config.json"))
-    return LLM(tmp, load_format="dummy", max_model_len=4096)
+    return LLM(tmp, load_format="dummy", max_model_len=4096, quantization=quantization)
 
 
 def start_decode_batch(engine, batch: int, rng: random.Random, temperature: float = 0.6):
@@ -87,12 +88,13 @@ def main():
     ap.add_argument("--top", type=int, default=12, help="with --prefill: kernels listed per step")
     ap.add_argument("--batch", type=int, nargs="+", default=[256, 128, 32, 8, 1])
     ap.add_argument("--config", default=DEFAULT_CONFIG)
+    ap.add_argument("--quantization", choices=["fp8"], help="block-FP8 weights, quantized at load")
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--temperature", type=float, default=0.6)
     ap.add_argument("--replay", action="store_true", help="also the step's CUDA graphs replayed back to back")
     ap.add_argument("--trace", help="directory for a chrome trace of the profiled steps per batch size")
     args = ap.parse_args()
-    llm = random_weight_llm(args.config)
+    llm = random_weight_llm(args.config, args.quantization)
     if args.prefill:
         profile_prefill_steps(llm, args.top)
         llm.shutdown()

@@ -146,7 +146,7 @@ def _candidates(form, m):
         for stages in (3, 4, 5, 6):
             if form == "gated":
                 out += [Fp8GemmConfig(1, bm, 128, warps, stages) for warps in (4, 8)]
-            for bn in (32, 64) if form == "splitk" else (32, 64, 128) if form == "dense" else ():
+            for bn in (32, 64) if form == "splitk" else (16, 32, 64, 128) if form == "dense" else ():
                 out += [Fp8GemmConfig(splits, bm, bn, 4, stages) for splits in ((2, 4, 8) if form == "splitk" else (1,))]
         return out
     # Prefill-sized: compute-bound; the tile and the walk over the tiles (GROUP_M) matter.

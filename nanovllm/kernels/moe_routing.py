@@ -56,8 +56,15 @@ def topk_block(num_tokens: int, num_experts: int) -> int:
     """Tokens per program of the top-k kernel: the [BT, E] tile within ~8k registers' worth, and
     large prefills in fewer, larger blocks (the align kernel sums one count row per block)."""
     e_pow2 = triton.next_power_of_2(num_experts)
-    bt = 16 if num_tokens <= 1024 else 64
+    bt = min(16, triton.next_power_of_2(num_tokens)) if num_tokens <= 1024 else 64
     return max(1, min(bt, 8192 // e_pow2))
+
+
+def topk_warps(block_tokens: int, num_experts: int) -> int:
+    """Warps of a top-k program. Its k rounds of row maxima are a chain of ~4k reductions, each
+    through shared memory and a barrier when the tile spans several warps: with one warp they stay
+    in registers and shuffles (a decode step's [16, 128] tile: one warp, 64 values a lane)."""
+    return 1 if block_tokens * triton.next_power_of_2(num_experts) <= 2048 else 4
 
 
 @triton.jit(do_not_specialize=["T"])
@@ -180,7 +187,8 @@ def route(logits: torch.Tensor, top_k: int, block_m: int, renormalize: bool, rou
     _moe_topk_kernel[(num_tblocks,)](
         logits, logits if slots is None else slots, weights, ids, counts, t, logits.stride(0),
         E=e, E_POW2=e_pow2, TOP_K=top_k, K_POW2=triton.next_power_of_2(top_k), RENORMALIZE=renormalize,
-        ROUND_WEIGHTS=round_weights, HAS_SLOTS=slots is not None, BT=bt, num_warps=4, **PDL_LAUNCH)
+        ROUND_WEIGHTS=round_weights, HAS_SLOTS=slots is not None, BT=bt, num_warps=topk_warps(bt, e),
+        **PDL_LAUNCH)
     block = min(4096, max(triton.next_power_of_2(n), 128))
     recording = stats is not None
     distinct, step = stats if recording else (num_padded, num_padded)  # unused pointers when not recording
