@@ -25,13 +25,12 @@ from nanovllm.kernels.pdl import PDL_LAUNCH, pdl_prologue
 def _qkv_rope_kernel(
     a_desc, w_desc, M,
     pos_ptr, cs_ptr, slot_ptr, qw_ptr, kw_ptr, q_out_ptr, k_cache_ptr, v_cache_ptr, ks_ptr, vs_ptr,
-    part_ptr, arrived_ptr,
     stride_cs, stride_qot, stride_qoh, stride_cb, stride_ct, stride_ch, block_size,
     eps,
     HQ: tl.constexpr, HKV: tl.constexpr, HEAD_DIM: tl.constexpr, HALF: tl.constexpr, K: tl.constexpr,
-    BM: tl.constexpr, BK: tl.constexpr, HAS_NORM: tl.constexpr, KV_FP8: tl.constexpr, SPLITS: tl.constexpr,
+    BM: tl.constexpr, BK: tl.constexpr, HAS_NORM: tl.constexpr, KV_FP8: tl.constexpr,
 ):
-    # grid = (Hq + 2 Hkv heads, cdiv(M, BM), SPLITS). Positions, slots and the cos/sin table are step
+    # grid = (Hq + 2 Hkv heads, cdiv(M, BM)). Positions, slots and the cos/sin table are step
     # inputs and constants: read before the programmatic-launch wait.
     head = tl.program_id(0)
     m0 = tl.program_id(1) * BM
@@ -43,64 +42,44 @@ def _qkv_rope_kernel(
     sin = tl.load(cs_ptr + pos * stride_cs + HALF + d).to(tl.float32)
     slot = tl.load(slot_ptr + rm, mask=row_ok, other=-1).to(tl.int64)
     pdl_prologue()
-    K_SPLIT: tl.constexpr = K // SPLITS
-    acc, _ = mainloop(a_desc, w_desc, m0, head * HEAD_DIM, tl.program_id(2) * K_SPLIT, 0, K_SPLIT, BM, HEAD_DIM,
-                      BK, False)
+    acc, _ = mainloop(a_desc, w_desc, m0, head * HEAD_DIM, 0, 0, K, BM, HEAD_DIM, BK, False)
     in_ty = a_desc.dtype
-    last = True
-    if SPLITS > 1:
-        # K in SPLITS slices: each program stores its fp32 partial tile, and the last of a tile's
-        # programs to arrive (a counter, reset by it for the next launch) sums them in slice order
-        # (the same sum whatever the arrival order) and runs the epilogue. A small decode batch then
-        # has SPLITS times the programs of one per head to stream the weights.
-        tile = head * tl.num_programs(1) + tl.program_id(1)
-        tile_part = part_ptr + tile * SPLITS * BM * HEAD_DIM + (tl.arange(0, BM)[:, None] * HEAD_DIM
-                                                                 + tl.arange(0, HEAD_DIM)[None, :])
-        tl.store(tile_part + tl.program_id(2) * BM * HEAD_DIM, acc)
-        tl.debug_barrier()  # every thread's part stored before the counter moves (release)
-        last = tl.atomic_add(arrived_ptr + tile, 1, sem="acq_rel") == SPLITS - 1
-        if last:
-            acc = tl.zeros([BM, HEAD_DIM], tl.float32)
-            for split in tl.static_range(SPLITS):
-                acc += tl.load(tile_part + split * BM * HEAD_DIM, cache_modifier=".cg")
-            tl.store(arrived_ptr + tile, 0)
-    if last:
-        x = acc.to(in_ty).to(tl.float32)  # the projection's output, rounded as the GEMM would write it
-        # The two rotate-half halves of the head: columns [0, HALF) and [HALF, HEAD_DIM).
-        x1, x2 = tl.split(tl.permute(tl.reshape(x, [BM, 2, HALF]), (0, 2, 1)))
-        out_ty = q_out_ptr.dtype.element_ty
-        if head < HQ:
-            o1, o2 = norm_rope_math(x1, x2, qw_ptr, d, cos, sin, eps, in_ty, HAS_NORM, HALF, BM, out_ty)
-            # Each branch names its own destination: Triton merges a name bound in both branches of a
-            # runtime `if`, and q's pointer type differs from an FP8 cache's.
-            q_dst = q_out_ptr + rm.to(tl.int64)[:, None] * stride_qot + head * stride_qoh + d
-            tl.store(q_dst, o1.to(out_ty), mask=row_ok[:, None])
-            tl.store(q_dst + HALF, o2.to(out_ty), mask=row_ok[:, None])
-        else:
-            # Slot < 0: a padding row of a CUDA-graph batch (and rows past M), not stored.
-            row = (slot // block_size) * stride_cb + (slot % block_size) * stride_ct
-            ok = (slot >= 0)[:, None]
-            # An FP8 cache holds each head divided by its scale (the store kernels' arithmetic).
-            if head < HQ + HKV:
-                o1, o2 = norm_rope_math(x1, x2, kw_ptr, d, cos, sin, eps, in_ty, HAS_NORM, HALF, BM, out_ty)
-                k_dst = k_cache_ptr + row[:, None] + (head - HQ) * stride_ch + d
-                cache_ty = k_cache_ptr.dtype.element_ty
-                if KV_FP8:
-                    s = tl.load(ks_ptr + head - HQ)
-                    tl.store(k_dst, quantize_to_fp8(o1.to(out_ty).to(tl.float32), s), mask=ok)
-                    tl.store(k_dst + HALF, quantize_to_fp8(o2.to(out_ty).to(tl.float32), s), mask=ok)
-                else:
-                    tl.store(k_dst, o1.to(out_ty).to(cache_ty), mask=ok)
-                    tl.store(k_dst + HALF, o2.to(out_ty).to(cache_ty), mask=ok)
+    x = acc.to(in_ty).to(tl.float32)  # the projection's output, rounded as the GEMM would write it
+    # The two rotate-half halves of the head: columns [0, HALF) and [HALF, HEAD_DIM).
+    x1, x2 = tl.split(tl.permute(tl.reshape(x, [BM, 2, HALF]), (0, 2, 1)))
+    out_ty = q_out_ptr.dtype.element_ty
+    if head < HQ:
+        o1, o2 = norm_rope_math(x1, x2, qw_ptr, d, cos, sin, eps, in_ty, HAS_NORM, HALF, BM, out_ty)
+        # Each branch names its own destination: Triton merges a name bound in both branches of a
+        # runtime `if`, and q's pointer type differs from an FP8 cache's.
+        q_dst = q_out_ptr + rm.to(tl.int64)[:, None] * stride_qot + head * stride_qoh + d
+        tl.store(q_dst, o1.to(out_ty), mask=row_ok[:, None])
+        tl.store(q_dst + HALF, o2.to(out_ty), mask=row_ok[:, None])
+    else:
+        # Slot < 0: a padding row of a CUDA-graph batch (and rows past M), not stored.
+        row = (slot // block_size) * stride_cb + (slot % block_size) * stride_ct
+        ok = (slot >= 0)[:, None]
+        # An FP8 cache holds each head divided by its scale (the store kernels' arithmetic).
+        if head < HQ + HKV:
+            o1, o2 = norm_rope_math(x1, x2, kw_ptr, d, cos, sin, eps, in_ty, HAS_NORM, HALF, BM, out_ty)
+            k_dst = k_cache_ptr + row[:, None] + (head - HQ) * stride_ch + d
+            cache_ty = k_cache_ptr.dtype.element_ty
+            if KV_FP8:
+                s = tl.load(ks_ptr + head - HQ)
+                tl.store(k_dst, quantize_to_fp8(o1.to(out_ty).to(tl.float32), s), mask=ok)
+                tl.store(k_dst + HALF, quantize_to_fp8(o2.to(out_ty).to(tl.float32), s), mask=ok)
             else:
-                v_dst = v_cache_ptr + row[:, None] + (head - HQ - HKV) * stride_ch + d
-                if KV_FP8:
-                    s = tl.load(vs_ptr + head - HQ - HKV)
-                    tl.store(v_dst, quantize_to_fp8(x1, s), mask=ok)
-                    tl.store(v_dst + HALF, quantize_to_fp8(x2, s), mask=ok)
-                else:
-                    tl.store(v_dst, x1.to(v_cache_ptr.dtype.element_ty), mask=ok)
-                    tl.store(v_dst + HALF, x2.to(v_cache_ptr.dtype.element_ty), mask=ok)
+                tl.store(k_dst, o1.to(out_ty).to(cache_ty), mask=ok)
+                tl.store(k_dst + HALF, o2.to(out_ty).to(cache_ty), mask=ok)
+        else:
+            v_dst = v_cache_ptr + row[:, None] + (head - HQ - HKV) * stride_ch + d
+            if KV_FP8:
+                s = tl.load(vs_ptr + head - HQ - HKV)
+                tl.store(v_dst, quantize_to_fp8(x1, s), mask=ok)
+                tl.store(v_dst + HALF, quantize_to_fp8(x2, s), mask=ok)
+            else:
+                tl.store(v_dst, x1.to(v_cache_ptr.dtype.element_ty), mask=ok)
+                tl.store(v_dst + HALF, x2.to(v_cache_ptr.dtype.element_ty), mask=ok)
 
 
 class QkvRopeConfig(NamedTuple):
@@ -108,19 +87,6 @@ class QkvRopeConfig(NamedTuple):
     bk: int = 128
     num_warps: int = 4
     num_stages: int = 3
-    splits: int = 1  # K slices per head (summed by the last program of each head's tile)
-
-
-# A tile counter per (head, row tile) for split launches, zero between launches (the last program
-# of a tile resets its own); one buffer per device, never reallocated (CUDA graphs hold its address).
-_MAX_SPLIT_TILES = 4096
-_arrived: dict[torch.device, torch.Tensor] = {}
-
-
-def _arrival_counters(device: torch.device) -> torch.Tensor:
-    if device not in _arrived:
-        _arrived[device] = torch.zeros(_MAX_SPLIT_TILES, dtype=torch.int32, device=device)
-    return _arrived[device]
 
 
 # Only for the hidden sizes measured (kernels/gemm.py's MAX_DENSE_K): a one-head program of a wider
@@ -131,23 +97,12 @@ def _arrival_counters(device: torch.device) -> torch.Tensor:
 MAX_QKV_ROPE_M = 256
 
 
-# Up to 16 rows (one row tile) a launch of one program per head leaves most SMs idle (Qwen3-0.6B:
-# 32 heads, Qwen3-30B-A3B: 40, on 132 SMs): K is cut into slices until there are MIN_PROGRAMS.
-SPLIT_MAX_M = 16
-MIN_PROGRAMS = 128
-
-
-def qkv_rope_config(m: int, k: int, head_dim: int, num_heads: int = 0) -> QkvRopeConfig | None:
-    """The fused kernel's tiles for m rows of num_heads (q, k and v) heads, or None where the unfused
-    pair runs. Host-only."""
+def qkv_rope_config(m: int, k: int, head_dim: int) -> QkvRopeConfig | None:
+    """The fused kernel's tiles for m rows, or None where the unfused pair runs. Host-only."""
     # head_dim 256 would need a 64 KB weight tile per stage: 4 stages do not fit in shared memory.
     if not 1 <= m <= MAX_QKV_ROPE_M or k % 128 or k > MAX_DENSE_K or head_dim not in (64, 128):
         return None
-    splits = 1
-    if m <= SPLIT_MAX_M:  # at least two K blocks a slice
-        while num_heads * splits < MIN_PROGRAMS and k // 128 % (2 * splits) == 0 and k // 128 >= 4 * splits:
-            splits *= 2
-    return QkvRopeConfig(16 if m <= 64 else 64, 128, 4, 4, splits)
+    return QkvRopeConfig(16 if m <= 64 else 64, 128, 4, 4)
 
 
 def qkv_rope_store_kv(x: torch.Tensor, weight: torch.Tensor, num_q_heads: int, num_kv_heads: int,
@@ -163,7 +118,7 @@ def qkv_rope_store_kv(x: torch.Tensor, weight: torch.Tensor, num_q_heads: int, n
     q_out: q's buffer, else fresh memory. None (nothing done) where no configuration applies."""
     m, k = x.shape
     head_dim = k_cache.shape[-1]
-    config = config or qkv_rope_config(m, k, head_dim, num_q_heads + 2 * num_kv_heads)
+    config = config or qkv_rope_config(m, k, head_dim)
     if config is None or m == 0 or not (tma_compatible(x) and tma_compatible(weight)):
         return None
     assert weight.shape == ((num_q_heads + 2 * num_kv_heads) * head_dim, k) and x.dtype == weight.dtype
@@ -179,21 +134,13 @@ def qkv_rope_store_kv(x: torch.Tensor, weight: torch.Tensor, num_q_heads: int, n
         assert q.shape == (m, num_q_heads, head_dim) and q.dtype == out_dtype and q.stride(-1) == 1, (q.shape, q.dtype)
     if not has_norm:  # HAS_NORM=False never reads them; any valid pointer
         q_weight = k_weight = cos_sin_cache
-    bm, bk, warps, stages, splits = config
-    heads, row_tiles = num_q_heads + 2 * num_kv_heads, triton.cdiv(m, bm)
-    assert k % (splits * bk) == 0, (k, splits, bk)
-    if splits > 1:
-        assert heads * row_tiles <= _MAX_SPLIT_TILES, (heads, row_tiles)
-        parts = torch.empty(heads * row_tiles * splits * bm * head_dim, dtype=torch.float32, device=x.device)
-        arrived = _arrival_counters(x.device)
-    else:
-        parts = arrived = cos_sin_cache  # SPLITS=1 never reads them; any valid pointer
-    _qkv_rope_kernel[(heads, row_tiles, splits)](
+    bm, bk, warps, stages = config
+    _qkv_rope_kernel[(num_q_heads + 2 * num_kv_heads, triton.cdiv(m, bm))](
         TensorDescriptor.from_tensor(x, [bm, bk]), TensorDescriptor.from_tensor(weight, [head_dim, bk]), m,
         positions.reshape(-1), cos_sin_cache, slot_mapping.reshape(-1), q_weight.contiguous(), k_weight.contiguous(),
-        q, k_cache, v_cache, *((k_scale, v_scale) if kv_fp8 else (cos_sin_cache,) * 2), parts, arrived,
+        q, k_cache, v_cache, *((k_scale, v_scale) if kv_fp8 else (cos_sin_cache,) * 2),
         cos_sin_cache.stride(0), q.stride(0), q.stride(1), *k_cache.stride()[:3], k_cache.shape[1],
         float(eps),
         HQ=num_q_heads, HKV=num_kv_heads, HEAD_DIM=head_dim, HALF=head_dim // 2, K=k, BM=bm, BK=bk, HAS_NORM=has_norm,
-        KV_FP8=kv_fp8, SPLITS=splits, num_warps=warps, num_stages=stages, enable_fp_fusion=False, **PDL_LAUNCH)
+        KV_FP8=kv_fp8, num_warps=warps, num_stages=stages, enable_fp_fusion=False, **PDL_LAUNCH)
     return q
