@@ -59,8 +59,10 @@ class OpenAIServing:
         constraint, _ = structured_outputs(req)
         if _holds_text(req.prompt):
             prompts = await self.tokenize_pool.run(self._completion_prompts, req.prompt, req.add_special_tokens)
-        else:  # token ids are only checked: at once, without the hop to a worker thread and back (on a
-            prompts = self._completion_prompts(req.prompt)  # busy event loop each hop waits milliseconds)
+        else:
+            # Token ids are only checked: here, not on a worker thread (a hop there and back, each
+            # waiting its turn on a busy event loop: milliseconds of TTFT).
+            prompts = self._completion_prompts(req.prompt)
         params = [self._params(req, ids, req.max_tokens if req.max_tokens is not None else 16, req.logprobs, "prompt",
                                structured_outputs=constraint) for ids in prompts]
         handles, out_queue = await self._submit(prompts, params, req.stream, "prompt")
