@@ -277,15 +277,21 @@ class EngineCore:
         """Emit each request's new tokens/text, and its final output once all its sequences are done
         (requests: (request_id, _Tracked) pairs; default: all). For metrics, a sequence's new token
         is counted by the time of its previous one: the sequences decoding in step share that key,
-        so the gaps of a pass are a few (seconds, count) pairs however many streams decode."""
+        so the gaps of a pass are a few (seconds, count) pairs however many streams decode.
+        Outputs that carry a request's first tokens go ahead of the pass's other outputs: the front
+        end serves them in this order, and a new stream's first chunk should not wait behind a
+        chunk for every other stream (its TTFT), while those lose the time of a chunk or two."""
         processor = self.engine.output_processor
         events = self._events
+        ahead = len(events)  # where the outputs with a request's first tokens go
+        opening = []
         now = time.perf_counter()
         gaps: dict[float, int] = {}   # time of a sequence's previous token -> sequences with one new
         spread = []                   # (seconds, n): n tokens that came together, an equal share each
         ttfts = []
         prefilled = generated = 0
         for request_id, t in (list(self._tracked.items()) if requests is None else requests):
+            opens = not t.prefilled
             deltas = []
             sent, last_token_time = t.sent, t.last_token_time
             for i, seq in enumerate(t.seqs):
@@ -324,8 +330,10 @@ class EngineCore:
                     deltas = [self._final(seq, processor) for seq in t.seqs]
             if deltas or all_done:
                 first = t.seqs[0]
-                events.append(("output", request_id, RequestOutput(request_id, deltas, all_done,
-                                                                   first.num_prompt_tokens, first.num_cached_tokens)))
+                output = ("output", request_id, RequestOutput(request_id, deltas, all_done, first.num_prompt_tokens,
+                                                              first.num_cached_tokens))
+                (opening if opens and t.prefilled else events).append(output)
+        events[ahead:ahead] = opening
         if prefilled or generated:
             events.append(("tokens", prefilled, generated))
         if ttfts:

@@ -230,8 +230,8 @@ class LLMEngine:
         if output.drafts is not None:
             return self._process_verified(batch, output)
         finished = []
+        tokens = output.token_ids()  # waits for the device: the tokens are known from then on
         now = time.perf_counter()
-        tokens = output.token_ids()
         logprobs = output.logprobs()
         rejected = self.structured.advance(output.seqs, tokens)  # grammars take their tokens
         for row, (seq, token) in enumerate(zip(output.seqs, tokens)):
@@ -254,8 +254,8 @@ class LLMEngine:
         one by one, so a stop (eos, stop token or string, max_tokens) inside an accepted run ends
         the sequence there; the KV of its rejected drafts is rolled back first."""
         finished = []
-        now = time.perf_counter()
         tokens = output.token_ids()
+        now = time.perf_counter()
         logprobs = output.logprobs()
         starts, row = [], 0
         for draft in output.drafts:

@@ -138,3 +138,34 @@ def test_tokenization_runs_off_the_event_loop(model_factory, monkeypatch):
     finally:
         engine.shutdown()
     assert health < 0.5 and [r.status_code for r in responses] == [200, 200]
+
+
+def test_token_id_prompts_skip_the_tokenize_pool(model_factory, monkeypatch):
+    """Token ids need no tokenizer: they are checked on the event loop, without a round trip through
+    a worker thread (a hop each way, each waiting its turn on a busy loop: part of every TTFT)."""
+    from nanovllm.entrypoints.openai.tokenize_pool import TokenizePool
+    pooled = []
+    run = TokenizePool.run
+
+    async def counting_run(self, fn, *args):
+        pooled.append(args[0])
+        return await run(self, fn, *args)
+    monkeypatch.setattr(TokenizePool, "run", counting_run)
+    config = Config(model_factory("qwen3"), device="cpu", dtype="float32", kv_cache_memory_bytes=16 << 20)
+    engine = AsyncLLMEngine(config, separate_process=False)
+    engine.start()
+    app = build_app(engine, ["tiny"])
+
+    async def main():
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://x", timeout=30) as c:
+            ids = await c.post("/v1/completions", json={"prompt": [5, 6, 7], "max_tokens": 1})
+            batch = await c.post("/v1/completions", json={"prompt": [[5, 6], [7]], "max_tokens": 1})
+            text = await c.post("/v1/completions", json={"prompt": "hello", "max_tokens": 1})
+            return ids, batch, text
+    try:
+        ids, batch, text = asyncio.run(main())
+    finally:
+        engine.shutdown()
+    assert [r.status_code for r in (ids, batch, text)] == [200, 200, 200]
+    assert (ids.json()["usage"]["prompt_tokens"], batch.json()["usage"]["prompt_tokens"]) == (3, 3)
+    assert pooled == ["hello"]

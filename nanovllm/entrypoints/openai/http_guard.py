@@ -19,6 +19,20 @@ RETRY_AFTER_S = 2  # what a 503 tells clients to wait (the queue moves; or anoth
 _TRIM_AFTER_BYTES = 1 << 20  # bodies this large leave freed memory that malloc keeps: return it
 
 
+# A body's messages are awaited in the request's own task: asyncio.wait_for runs what it awaits as a
+# task of its own, three turns of the event loop even for a body already received, each behind every
+# stream's next chunk (milliseconds of TTFT under load). asyncio.timeout came with Python 3.11.
+if hasattr(asyncio, "timeout"):
+    async def _within(seconds: float | None, awaitable):
+        """awaitable's result, or asyncio.TimeoutError after `seconds` (None: no limit)."""
+        async with asyncio.timeout(seconds):
+            return await awaitable
+else:
+    async def _within(seconds: float | None, awaitable):
+        """awaitable's result, or asyncio.TimeoutError after `seconds` (None: no limit)."""
+        return await asyncio.wait_for(awaitable, seconds)
+
+
 class Admission:
     """Whether new requests are let in (not while draining), and how many are in flight."""
 
@@ -74,7 +88,7 @@ class GuardMiddleware:
         chunks, size, more = [], 0, True
         while more:
             try:
-                message = await asyncio.wait_for(receive(), self.body_timeout)
+                message = await _within(self.body_timeout, receive())
             except asyncio.TimeoutError:
                 await send_error(send, APIError(f"the request body stopped arriving: nothing came for "
                                                 f"{self.body_timeout:g}s", 408, code="request_timeout"))

@@ -57,7 +57,12 @@ class OpenAIServing:
             raise APIError("best_of is not supported (other than best_of == n)", param="best_of")
         self._check_capacity(_num_prompts(req.prompt))  # before tokenizing what could not be queued anyway
         constraint, _ = structured_outputs(req)
-        prompts = await self.tokenize_pool.run(self._completion_prompts, req.prompt, req.add_special_tokens)
+        if _holds_text(req.prompt):
+            prompts = await self.tokenize_pool.run(self._completion_prompts, req.prompt, req.add_special_tokens)
+        else:
+            # Token ids are only checked: here, not on a worker thread (a hop there and back, each
+            # waiting its turn on a busy event loop: milliseconds of TTFT).
+            prompts = self._completion_prompts(req.prompt)
         params = [self._params(req, ids, req.max_tokens if req.max_tokens is not None else 16, req.logprobs, "prompt",
                                structured_outputs=constraint) for ids in prompts]
         handles, out_queue = await self._submit(prompts, params, req.stream, "prompt")
@@ -386,6 +391,11 @@ def _num_prompts(prompt) -> int:
     if isinstance(prompt, str) or not prompt or isinstance(prompt[0], int):
         return 1
     return len(prompt)
+
+
+def _holds_text(prompt) -> bool:
+    """Whether a completions `prompt` has text to tokenize (else it is token ids only)."""
+    return isinstance(prompt, str) or (bool(prompt) and isinstance(prompt[0], str))
 
 
 def _abort(handles: list[RequestHandle]):
