@@ -63,12 +63,8 @@ def build_host_inputs(batch: ScheduledBatch, block_size: int,
     seq_lens = computed + new
 
     tables = [s.block_table for s in seqs]
-    table_lens = np.fromiter(map(len, tables), np.int64, num_seqs)
-    block_tables = np.zeros((num_seqs, int(table_lens.max())), dtype=np.int32)
-    flat = np.fromiter(chain.from_iterable(tables), np.int32, int(table_lens.sum()))
-    row_starts = np.cumsum(table_lens) - table_lens
-    block_tables[np.repeat(np.arange(num_seqs), table_lens),
-                 np.arange(flat.size) - np.repeat(row_starts, table_lens)] = flat
+    block_tables = np.zeros((num_seqs, max(map(len, tables))), dtype=np.int32)
+    write_block_tables(block_tables, tables)
 
     # Decodes: one token each, possibly a placeholder for the previous step's sample.
     decode_ids = np.fromiter((s.token_ids[s.num_computed_tokens] for s in seqs[:nd]), np.int64, nd)
@@ -110,6 +106,24 @@ def build_host_inputs(batch: ScheduledBatch, block_size: int,
     )
 
 
+# Below this many sequences a block table is written row by row: ~0.3 us a row, against ~4 us plus
+# ~0.15 us a row for the one masked write of all of them (numpy 2.4 on the CPU; equal near 40 rows).
+_TABLES_ROW_BY_ROW_BELOW = 32
+
+
+def write_block_tables(out: np.ndarray, tables: list[list[int]]):
+    """Write sequence i's block table into the leading entries of out's row i (the entries past it
+    are left as they are: attention reads a row only as far as its sequence's length)."""
+    if len(tables) < _TABLES_ROW_BY_ROW_BELOW:
+        for row, table in zip(out, tables):
+            row[:len(table)] = table
+        return
+    lens = np.fromiter(map(len, tables), np.int64, len(tables))
+    width = int(lens.max())
+    out[:len(tables), :width][np.arange(width) < lens[:, None]] = np.fromiter(
+        chain.from_iterable(tables), np.int32, int(lens.sum()))
+
+
 def kv_copies_array(copies: list[tuple[int, int, int]]) -> np.ndarray | None:
     """A batch's prefix KV copies as the [3, C] array the copy kernel reads (None: no copies)."""
     return np.ascontiguousarray(np.array(copies, dtype=np.int64).T) if copies else None
@@ -140,13 +154,8 @@ def fill_decode_inputs(views: dict[str, np.ndarray], seqs: list[Sequence], padde
     seq_lens[:n] = pos[:n] + 1
     seq_lens[n:padded] = 0
 
-    tables = [s.block_table for s in seqs]
-    table_lens = np.fromiter(map(len, tables), np.int64, n)
-    flat = np.fromiter(chain.from_iterable(tables), np.int32, int(table_lens.sum()))
-    row_starts = np.cumsum(table_lens) - table_lens
-    rows = np.repeat(np.arange(n), table_lens)
     block_tables = views["block_tables"]
-    block_tables[rows, np.arange(flat.size) - row_starts[rows]] = flat
+    write_block_tables(block_tables, [s.block_table for s in seqs])
     slots = views["slot_mapping"]
     slots[:n] = block_tables[np.arange(n), pos[:n] // block_size].astype(np.int64) * block_size + pos[:n] % block_size
     slots[n:padded] = -1
