@@ -62,8 +62,9 @@ def build_host_inputs(batch: ScheduledBatch, block_size: int,
     new = np.asarray(counts, dtype=np.int64)
     seq_lens = computed + new
 
-    width = max(len(s.block_table) for s in seqs)
-    block_tables = fill_block_tables(np.zeros((num_seqs, width), dtype=np.int32), seqs)
+    tables = [s.block_table for s in seqs]
+    block_tables = np.zeros((num_seqs, max(map(len, tables))), dtype=np.int32)
+    write_block_tables(block_tables, tables)
 
     # Decodes: one token each, possibly a placeholder for the previous step's sample.
     decode_ids = np.fromiter((s.token_ids[s.num_computed_tokens] for s in seqs[:nd]), np.int64, nd)
@@ -105,25 +106,30 @@ def build_host_inputs(batch: ScheduledBatch, block_size: int,
     )
 
 
+# Below this many sequences a block table is written row by row: ~0.3 us a row, against ~4 us plus
+# ~0.15 us a row for the one masked write of all of them (numpy 2.4 on the CPU; equal near 40 rows).
+_TABLES_ROW_BY_ROW_BELOW = 32
+
+
+def write_block_tables(out: np.ndarray, tables: list[list[int]]):
+    """Write sequence i's block table into the leading entries of out's row i (the entries past it
+    are left as they are: attention reads a row only as far as its sequence's length)."""
+    if len(tables) < _TABLES_ROW_BY_ROW_BELOW:
+        for row, table in zip(out, tables):
+            row[:len(table)] = table
+        return
+    lens = np.fromiter(map(len, tables), np.int64, len(tables))
+    width = int(lens.max())
+    out[:len(tables), :width][np.arange(width) < lens[:, None]] = np.fromiter(
+        chain.from_iterable(tables), np.int32, int(lens.sum()))
+
+
 def kv_copies_array(copies: list[tuple[int, int, int]]) -> np.ndarray | None:
     """A batch's prefix KV copies as the [3, C] array the copy kernel reads (None: no copies)."""
     return np.ascontiguousarray(np.array(copies, dtype=np.int64).T) if copies else None
 
 
 SEED_MASK = (1 << 64) - 1  # a seed is any Python int; the noise hash sees its low 64 bits
-
-
-def fill_block_tables(block_tables: np.ndarray, seqs: list[Sequence]) -> np.ndarray:
-    """Row i of block_tables [>= len(seqs), max blocks] takes seqs[i]'s block table (one scatter,
-    no loop over the sequences); what lies past a table's end is left as it was."""
-    n = len(seqs)
-    tables = [s.block_table for s in seqs]
-    table_lens = np.fromiter(map(len, tables), np.int64, n)
-    flat = np.fromiter(chain.from_iterable(tables), np.int32, int(table_lens.sum()))
-    row_starts = np.cumsum(table_lens) - table_lens
-    rows = np.repeat(np.arange(n), table_lens)
-    block_tables[rows, np.arange(flat.size) - row_starts[rows]] = flat
-    return block_tables
 
 
 def fill_decode_inputs(views: dict[str, np.ndarray], seqs: list[Sequence], padded: int, block_size: int,
@@ -148,7 +154,8 @@ def fill_decode_inputs(views: dict[str, np.ndarray], seqs: list[Sequence], padde
     seq_lens[:n] = pos[:n] + 1
     seq_lens[n:padded] = 0
 
-    block_tables = fill_block_tables(views["block_tables"], seqs)
+    block_tables = views["block_tables"]
+    write_block_tables(block_tables, [s.block_table for s in seqs])
     slots = views["slot_mapping"]
     slots[:n] = block_tables[np.arange(n), pos[:n] // block_size].astype(np.int64) * block_size + pos[:n] % block_size
     slots[n:padded] = -1

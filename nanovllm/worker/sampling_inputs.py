@@ -10,11 +10,13 @@ import torch
 
 from nanovllm.engine.sequence import Sequence
 from nanovllm.layers.penalties import PenaltyInputs
-from nanovllm.layers.sampler import _mix32
 from nanovllm.layers.sampling_metadata import SamplingMetadata
 from nanovllm.worker.inputs import SEED_MASK, _to_device
 
-_M32 = np.uint64(0xFFFFFFFF)
+# murmur3's constants and the offset's multiplier (layers/sampler.py), as uint32 scalars: in uint32
+# lanes every product wraps mod 2^32 by itself, so no op needs the int64 form's masks.
+_C1, _C2, _GOLDEN = np.uint32(0x85EBCA6B), np.uint32(0xC2B2AE35), np.uint32(0x9E3779B9)
+_SHIFT13, _SHIFT16, _SHIFT32 = np.uint32(13), np.uint32(16), np.uint64(32)
 
 
 def build_sampling_metadata(seqs: list[Sequence], device: torch.device, eos_token_ids=(),
@@ -77,8 +79,10 @@ def build_sampling_metadata(seqs: list[Sequence], device: torch.device, eos_toke
         if sp.logprobs is not None and (max_logprobs is None or sp.logprobs > max_logprobs):
             max_logprobs = sp.logprobs
     greedy = temps == 0.0
+    all_greedy = bool(greedy.all())
     seeds = seeds.view(np.int64)
-    keys = host_row_keys(seeds, offsets)
+    # A greedy row's draw reads no noise, so an all-greedy batch's keys are never read.
+    keys = np.zeros(num_seqs, dtype=np.int64) if all_greedy else host_row_keys(seeds, offsets)
     per_row = [temps, seeds, offsets, keys]
     histories = None
     if penalty_rows:  # their arrays travel in the same copy
@@ -95,7 +99,7 @@ def build_sampling_metadata(seqs: list[Sequence], device: torch.device, eos_toke
         seeds=seeds_t,
         offsets=offsets_t,
         row_keys=keys_t,
-        all_greedy=bool(greedy.all()),
+        all_greedy=all_greedy,
         all_random=not bool(greedy.any()),
         max_num_logprobs=max_logprobs,
     )
@@ -142,12 +146,25 @@ def _verification_rows(seqs: list[Sequence], drafts: list[list[int]]):
 
 
 def host_row_keys(seeds: np.ndarray, offsets: np.ndarray) -> np.ndarray:
-    """`nanovllm.layers.sampler.row_keys` on the host, so no small kernels run per step."""
+    """`nanovllm.layers.sampler.row_keys` on the host, so no small kernels run per step. In place
+    on uint32 lanes: a step's rows are few, and each numpy call costs far more than its lanes."""
     s = seeds.view(np.uint64)
-    o = offsets.astype(np.uint64)
-    with np.errstate(over="ignore"):  # the same mix as on the device, in uint64 lanes
-        keys = _mix32((s & _M32) ^ _mix32(((s >> np.uint64(32)) & _M32) ^ ((o * np.uint64(0x9E3779B9)) & _M32)))
-    return keys.astype(np.int64)
+    x = offsets.astype(np.uint32)  # the product mod 2^32 depends on the offset's low 32 bits only
+    x *= _GOLDEN
+    x ^= (s >> _SHIFT32).astype(np.uint32)
+    x = _mix32_(x)
+    x ^= s.astype(np.uint32)
+    return _mix32_(x).astype(np.int64)
+
+
+def _mix32_(x: np.ndarray) -> np.ndarray:
+    """murmur3's 32-bit finaliser (layers/sampler.py's _mix32), in place on uint32."""
+    x ^= x >> _SHIFT16
+    x *= _C1
+    x ^= x >> _SHIFT13
+    x *= _C2
+    x ^= x >> _SHIFT16
+    return x
 
 
 def _rows(rows: list[int], num_seqs: int, device: torch.device) -> torch.Tensor | None:

@@ -18,7 +18,6 @@ verification step). Others run the general path. The graphs write the logits of 
 the step's real rows are gathered (in each sequence's order: its last token, then one per draft)
 for the eager sampler, which draws every verified position as plain decoding would.
 """
-
 from itertools import chain
 
 import numpy as np
@@ -26,7 +25,7 @@ import torch
 
 from nanovllm.attention.base import AttentionMetadata
 from nanovllm.worker.cuda_graph import PackedInputs, batch_size_ladder
-from nanovllm.worker.inputs import fill_block_tables
+from nanovllm.worker.inputs import write_block_tables
 
 
 def verify_step_fits(batch, query_len: int, max_bs: int) -> bool:
@@ -48,23 +47,24 @@ def fill_verify_inputs(views: dict[str, np.ndarray], batch, padded: int, query_l
     seqs, spec, q = batch.seqs, batch.spec, query_len
     n = len(seqs)
     counts = np.asarray(batch.num_new_tokens, dtype=np.int64)
-    computed = np.fromiter((s.num_computed_tokens for s in seqs), np.int64, n)
-    seq_lens = views["seq_lens"]
-    seq_lens[:n] = computed + counts
-    seq_lens[n:padded] = 0
-
-    block_tables = fill_block_tables(views["block_tables"], seqs)
+    seq_lens = np.fromiter((s.num_computed_tokens for s in seqs), np.int64, n) + counts
+    views["seq_lens"][:n] = seq_lens
+    views["seq_lens"][n:padded] = 0
+    block_tables = views["block_tables"]
+    write_block_tables(block_tables, [s.block_table for s in seqs])
 
     # Window column c of sequence i holds position seq_len - Q + c; its last counts[i] columns are real.
-    column = np.arange(q)
-    real = column[None, :] >= (q - counts)[:, None]                                  # [n, Q]
-    positions = np.maximum(seq_lens[:n, None].astype(np.int64) - q + column[None, :], 0)
+    positions = seq_lens[:, None] + np.arange(-q, 0)                                 # [n, Q]
+    real = positions >= (seq_lens - counts)[:, None]
+    np.maximum(positions, 0, out=positions)
     pos = views["positions"][:padded * q].reshape(padded, q)
     pos[:n] = positions
     pos[n:] = 0
     slots = views["slot_mapping"][:padded * q].reshape(padded, q)
-    blocks = block_tables[np.arange(n)[:, None], positions // block_size].astype(np.int64)
-    slots[:n] = np.where(real, blocks * block_size + positions % block_size, -1)
+    slots[:n] = block_tables[np.arange(n)[:, None], positions // block_size]
+    slots[:n] *= block_size
+    slots[:n] += positions % block_size
+    slots[:n][~real] = -1
     slots[n:] = -1
     ids = views["input_ids"][:padded * q].reshape(padded, q)
     ids[:] = 0
@@ -72,11 +72,11 @@ def fill_verify_inputs(views: dict[str, np.ndarray], batch, padded: int, query_l
                                                     for s, d in zip(seqs, spec)), np.int64, int(counts.sum()))
 
     order = views["decode_order"]
-    order[:n] = np.argsort(-seq_lens[:n], kind="stable")  # longest context first
+    order[:n] = np.argsort(-seq_lens, kind="stable")  # longest context first
     order[n:padded] = np.arange(n, padded)
-    num_rows = int(counts.sum())
-    views["logits_rows"][:num_rows] = np.flatnonzero(real.reshape(-1))
-    return num_rows
+    rows = np.flatnonzero(real)
+    views["logits_rows"][:rows.size] = rows
+    return rows.size
 
 
 def verify_metadata(static: dict[str, torch.Tensor], query_start_loc: torch.Tensor, bs: int, query_len: int,

@@ -6,7 +6,7 @@ import torch
 from nanovllm.engine.scheduler import ScheduledBatch
 from nanovllm.engine.sequence import Sequence
 from nanovllm.sampling_params import SamplingParams
-from nanovllm.worker.inputs import HostToDevice, build_host_inputs, fill_decode_inputs, to_device
+from nanovllm.worker.inputs import HostToDevice, build_host_inputs, fill_decode_inputs, to_device, write_block_tables
 from nanovllm.worker.sampling_inputs import build_sampling_metadata
 
 
@@ -92,6 +92,17 @@ def test_graphed_decode_inputs_match_the_general_path():
     assert views["prev_rows"][n:].tolist() == [-1] * (padded - n)
     assert views["decode_order"][n:].tolist() == list(range(n, padded))
     assert views["temperatures"][n:].tolist() == [0.0] * (padded - n)
+
+
+@pytest.mark.parametrize("num_seqs", [3, 40])  # row by row, and the one masked write
+def test_block_tables_fill_the_leading_entries_of_their_rows(num_seqs):
+    rng = np.random.default_rng(num_seqs)
+    tables = [rng.integers(0, 1000, rng.integers(1, 9)).tolist() for _ in range(num_seqs)]
+    out = np.full((num_seqs + 2, 10), -7, dtype=np.int32)
+    write_block_tables(out, tables)
+    for row, table in zip(out, tables):
+        assert row[:len(table)].tolist() == table and (row[len(table):] == -7).all()
+    assert (out[num_seqs:] == -7).all()
 
 
 def test_plain_sampling_flag():
