@@ -113,14 +113,19 @@ class _SlowTokenizer:
         return self._tokenizer.encode(*args, **kwargs)
 
 
+def _tiny_server(model_factory):
+    """An in-process engine on a tiny model and the app serving it (the caller shuts the engine down)."""
+    config = Config(model_factory("qwen3"), device="cpu", dtype="float32", kv_cache_memory_bytes=16 << 20)
+    engine = AsyncLLMEngine(config, separate_process=False)
+    engine.start()
+    return engine, build_app(engine, ["tiny"])
+
+
 def test_tokenization_runs_off_the_event_loop(model_factory, monkeypatch):
     from nanovllm.engine import tokenizer as tokenizer_module
     load = tokenizer_module.load_tokenizer
     monkeypatch.setattr(tokenizer_module, "load_tokenizer", lambda path: _SlowTokenizer(load(path)))
-    config = Config(model_factory("qwen3"), device="cpu", dtype="float32", kv_cache_memory_bytes=16 << 20)
-    engine = AsyncLLMEngine(config, separate_process=False)
-    engine.start()
-    app = build_app(engine, ["tiny"])
+    engine, app = _tiny_server(model_factory)
 
     async def main():
         async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://x", timeout=30) as c:
@@ -151,10 +156,7 @@ def test_token_id_prompts_skip_the_tokenize_pool(model_factory, monkeypatch):
         pooled.append(args[0])
         return await run(self, fn, *args)
     monkeypatch.setattr(TokenizePool, "run", counting_run)
-    config = Config(model_factory("qwen3"), device="cpu", dtype="float32", kv_cache_memory_bytes=16 << 20)
-    engine = AsyncLLMEngine(config, separate_process=False)
-    engine.start()
-    app = build_app(engine, ["tiny"])
+    engine, app = _tiny_server(model_factory)
 
     async def main():
         async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://x", timeout=30) as c:
