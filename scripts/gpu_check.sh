@@ -92,8 +92,12 @@ def server_side(name):  # from /metrics, means in ms: TTFT as the server saw it 
             values[key] = values.get(key, 0.0) + sample.value
     def mean(metric, count=None):
         return 1e3 * values.get(metric + "_sum", values.get(metric, 0)) / max(values.get(count or metric + "_count", 0), 1)
+    steps, prefill_steps = values.get("nanovllm:engine_steps", 0), values.get("nanovllm:engine_prefill_steps", 0)
+    decode_seconds = values.get("nanovllm:engine_step_seconds", 0) - values.get("nanovllm:engine_prefill_step_seconds", 0)
     return (mean("vllm:time_to_first_token_seconds"), mean("vllm:request_queue_time_seconds"),
-            mean("vllm:request_prefill_time_seconds"), mean("nanovllm:engine_step_seconds", "nanovllm:engine_steps"))
+            mean("vllm:request_prefill_time_seconds"), mean("nanovllm:engine_step_seconds", "nanovllm:engine_steps"),
+            mean("nanovllm:engine_prefill_step_seconds", "nanovllm:engine_prefill_steps"),
+            1e3 * decode_seconds / max(steps - prefill_steps, 1))
 rows = []
 for name in ("off", "baseline", "token"):
     path = os.path.join(sys.argv[1], f"multi_turn_{name}.json")
@@ -101,13 +105,14 @@ for name in ("off", "baseline", "token"):
         rows.append((name, json.load(open(path))))
 off = dict(rows).get("off")
 print(f"{'arm':<15}{'hit rate':>9}{'ideal':>8}{'TTFT p50':>9}{'p99':>8}{'vs off':>8}{'mean':>7}"
-      f"{'server':>8}{'queue':>7}{'prefill':>8}{'step':>6}{'client CPU':>11}   (ms; server-side means from /metrics)")
+      f"{'server':>8}{'queue':>7}{'prefill':>8}{'step':>6}{'w/ prompt':>10}{'decode':>7}{'client CPU':>11}"
+      "   (ms; server-side means from /metrics; steps: all, those with prompt tokens, decode-only)")
 for name, s in rows:
     ratio = off["ttft_ms"]["p50"] / s["ttft_ms"]["p50"] if off else float("nan")
-    ttft, queue, prefill, step = server_side(name)
+    ttft, queue, prefill, step, prompt_step, decode_step = server_side(name)
     print(f"{name:<15}{s['hit_rate']:>9.2%}{s['ideal_hit_rate']:>8.2%}{s['ttft_ms']['p50']:>9.1f}"
           f"{s['ttft_ms']['p99']:>8.1f}{ratio:>7.2f}x{s['ttft_ms']['mean']:>7.1f}{ttft:>8.1f}{queue:>7.1f}{prefill:>8.1f}"
-          f"{step:>6.2f}{s.get('client_cpu_share', float('nan')):>10.0%}")
+          f"{step:>6.2f}{prompt_step:>10.2f}{decode_step:>7.2f}{s.get('client_cpu_share', float('nan')):>10.0%}")
 EOF
 }
 

@@ -99,7 +99,8 @@ class EngineCore:
         self._events: list = []
         self._consecutive_errors = 0
         self._num_received = 0  # "add" commands taken in
-        self._timing = [0, 0.0, 0.0, 0.0]  # steps, seconds in engine.step(), in _collect(), in emit
+        # steps, seconds in engine.step(), in _collect(), in emit; steps that launched prompt tokens, their seconds
+        self._timing = [0, 0.0, 0.0, 0.0, 0, 0.0]
 
     def run(self):
         """Build the engine, then serve until told to stop (or the engine breaks)."""
@@ -248,7 +249,7 @@ class EngineCore:
     def _step(self):
         start = time.perf_counter()
         try:
-            self.engine.step()
+            _, prompt_tokens, _ = self.engine.step()
         except Exception as e:
             self._on_step_error(e)
             return
@@ -259,6 +260,9 @@ class EngineCore:
         timing[0] += 1
         timing[1] += stepped - start
         timing[2] += time.perf_counter() - stepped
+        if prompt_tokens:
+            timing[4] += 1
+            timing[5] += stepped - start
 
     def _on_step_error(self, error: Exception):
         """Fail the requests the step was running (they may be in an inconsistent state), keep the

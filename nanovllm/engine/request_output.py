@@ -98,5 +98,9 @@ class EngineStats:
     step_seconds: float = 0.0
     collect_seconds: float = 0.0
     emit_seconds: float = 0.0
+    # Of the steps, those that launched prompt tokens (prefill or mixed) and their share of
+    # step_seconds: decode-only steps are the rest.
+    prefill_steps: int = 0
+    prefill_step_seconds: float = 0.0
     # Speculative decoding (nanovllm.spec_decode.SpecDecodeStats's counters), None when it is off.
     spec_decode: dict | None = None

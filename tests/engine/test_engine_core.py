@@ -38,3 +38,27 @@ def test_a_requests_first_output_goes_ahead_of_the_passs_others(model_factory):
         thread.join(30)
     opened = next(ids for ids in outputs() if "new" in ids)
     assert opened == ["new", "old1", "old2"]  # old1 and old2 decoded in that pass too
+
+
+def test_stats_split_the_steps_that_launched_prompt_tokens(model_factory):
+    """EngineStats counts every step and, of them, those that launched prompt tokens (prefill or
+    mixed), with their wall time: the decode-only steps are the difference."""
+    config = Config(model_factory("qwen3"), device="cpu", dtype="float32", kv_cache_memory_bytes=16 << 20)
+    inbox, passes = queue.Queue(), []
+    core = EngineCore(config, inbox, passes.append)
+    thread = threading.Thread(target=core.run, daemon=True)
+    thread.start()
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    try:
+        inbox.put(("add", "one", [1, 2, 3, 4], params, True, time.perf_counter()))
+        deadline = time.monotonic() + 60
+        while not any(e[0] == "output" and e[2].finished for events in list(passes) for e in events):
+            assert time.monotonic() < deadline, "the request did not finish"
+            time.sleep(0.01)
+    finally:
+        inbox.put(("stop", None))
+        thread.join(30)
+    stats = [e[1] for events in passes for e in events if e[0] == "stats"][-1]
+    # One prefill step (4 prompt tokens, the first token), then 5 decode steps.
+    assert stats.prefill_steps == 1 and stats.engine_steps >= 6
+    assert 0 < stats.prefill_step_seconds < stats.step_seconds

@@ -35,7 +35,8 @@ def test_names_types_labels_and_values_from_engine_events():
     engines = [metrics.engine_listener(0), metrics.engine_listener(1)]  # as data-parallel cores would
     engines[0].record([
         ("stats", EngineStats(num_running=3, num_waiting=2, kv_cache_usage=0.25, prefix_cache_queried_tokens=100,
-                              prefix_cache_hit_tokens=40, num_preemptions=1, engine_steps=9)),
+                              prefix_cache_hit_tokens=40, num_preemptions=1, engine_steps=9, prefill_steps=4,
+                              prefill_step_seconds=0.5)),
         ("tokens", 7, 5), ("ttft", [1.0]), ("token_gaps", [(0.004, 64), (0.5, 1)]),
         ("finished", _finished("length")), ("finished", _finished("abort")), ("finished", _finished("error")),
         ("a_kind_from_a_later_engine", 1, 2),  # ignored, not an error
@@ -54,6 +55,7 @@ def test_names_types_labels_and_values_from_engine_events():
     assert [m[name] for name in gauges] == [3, 2, 0.25]
     assert (m["vllm:prefix_cache_queries_total"], m["vllm:prefix_cache_hits_total"]) == (100, 40)
     assert m["vllm:num_preemptions_total"] == 1 and m["nanovllm:engine_steps_total"] == 9
+    assert (m["nanovllm:engine_prefill_steps_total"], m["nanovllm:engine_prefill_step_seconds_total"]) == (4, 0.5)
     assert (m["vllm:prompt_tokens_total"], m["vllm:generation_tokens_total"]) == (7, 5)
     assert engine_samples(body.decode(), engine="1")["vllm:prompt_tokens_total"] == 3
     reasons = {k: v for k, v in m.items() if k.startswith("vllm:request_success_total")}

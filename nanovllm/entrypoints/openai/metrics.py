@@ -60,6 +60,10 @@ _SNAPSHOT_METRICS = (
      "Wall time of the engine loop turning step results into per-request outputs.", lambda s: s.collect_seconds),
     ("counter", "nanovllm:engine_emit_seconds", "Wall time of the engine loop handing its outputs to the server.",
      lambda s: s.emit_seconds),
+    ("counter", "nanovllm:engine_prefill_steps", "Engine steps that launched prompt tokens (prefill or mixed).",
+     lambda s: s.prefill_steps),
+    ("counter", "nanovllm:engine_prefill_step_seconds", "Wall time of the engine loop inside those steps.",
+     lambda s: s.prefill_step_seconds),
 )
 
 
