@@ -37,7 +37,7 @@ KEY = "router-recipe-key"
 
 
 class Router:
-    def __init__(self, workers: list[str]):
+    def __init__(self, workers: list[str], policy: tuple[str, ...] = ("--policy", "cache_aware")):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = tempfile.NamedTemporaryFile("w+", prefix="vllm-router-", suffix=".log", delete=False)
@@ -46,7 +46,7 @@ class Router:
         # (its default port may be taken).
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "vllm_router.launch_router", "--host", "127.0.0.1", "--port", str(self.port),
-             "--worker-urls", *workers, "--policy", "cache_aware", "--health-check-endpoint", "/ready",
+             "--worker-urls", *workers, *policy, "--health-check-endpoint", "/ready",
              "--health-check-interval-secs", "1", "--health-failure-threshold", "1", "--prometheus-host", "127.0.0.1",
              "--prometheus-port", str(free_port()), "--log-level", "warning"],
             stdout=self.log, stderr=subprocess.STDOUT)
@@ -105,9 +105,12 @@ def test_two_replicas_behind_vllm_router_survive_losing_one(model_factory):
             client.with_options(api_key="wrong").completions.create(model="tiny", prompt="hi", max_tokens=1)
         before = [r.metrics() for r in replicas]
 
-        # Distinct prompts at once: the policy balances them over both replicas.
+        # Distinct prompts at once (nothing shared at their starts, which the policy would keep together):
+        # it balances them over both replicas.
+        words = ["apple", "zebra", "quartz", "mango", "violet", "kernel", "harbor", "jungle"]
+
         def ask(i: int):
-            return client.completions.create(model="tiny", prompt=f"request number {i} says hello", max_tokens=4,
+            return client.completions.create(model="tiny", prompt=f"{words[i]} {i} says hello", max_tokens=4,
                                              extra_body={"ignore_eos": True})
         threads = [threading.Thread(target=ask, args=(i,)) for i in range(8)]
         for t in threads:
@@ -162,6 +165,48 @@ def test_two_replicas_behind_vllm_router_survive_losing_one(model_factory):
                                                              extra_body={"ignore_eos": True}))
                 assert chunks[-1].choices[0].finish_reason == "length"
         assert engine_samples(replicas[0].metrics_text())[SUCCESS] - survivor_before == 10
+    finally:
+        if router is not None:
+            router.stop()
+        for r in replicas:
+            r.stop()
+
+
+def test_kv_aware_routing_by_the_replicas_kv_events(model_factory):
+    """vllm-router's kv_aware policy fed by the replicas' KV events (`--kv-events-endpoint`, vLLM's map
+    format) and their /tokenize: a prompt whose prefix one replica holds goes to that replica, whatever
+    the load says."""
+    pytest.importorskip("zmq", reason="KV events need pyzmq: pip install 'nanovllm[kv_events]'")
+    pytest.importorskip("msgspec", reason="KV events need msgspec: pip install 'nanovllm[kv_events]'")
+    ports = [free_port(), free_port()]
+    args = [model_factory("qwen3"), *TINY_ARGS, "--served-model-name", "tiny", "--kvcache-block-size", "16",
+            "--kv-events-format", "map"]
+    with ThreadPoolExecutor(2) as pool:
+        starting = [pool.submit(RemoteServer, [*args, "--kv-events-endpoint", f"tcp://*:{p}"]) for p in ports]
+    if any(f.exception() for f in starting):
+        for f in starting:
+            if f.exception() is None:
+                f.result().stop()
+        raise next(f.exception() for f in starting if f.exception())
+    replicas = [f.result() for f in starting]
+    router = None
+    try:
+        sources = [arg for r, p in zip(replicas, ports) for arg in ("--kv-event-source", f"{r.url}=tcp://127.0.0.1:{p}")]
+        router = Router([r.url for r in replicas], ("--policy", "kv_aware", *sources, "--kv-event-block-size", "16",
+                                                    "--kv-event-model", "tiny"))
+        client = openai.OpenAI(base_url=router.url + "/v1", api_key=KEY, max_retries=0, timeout=60)
+        prompts = ["The quick brown fox jumps over the lazy dog. " * 12,
+                   "Pack my box with five dozen liquor jugs, said the sphinx. " * 10]
+        # Each replica primed with one prefix, straight (prompt i on replica 1 - i: not where load would go).
+        for i, prompt in enumerate(prompts):
+            replicas[1 - i].client().completions.create(model="tiny", prompt=prompt + "Primer?", max_tokens=1)
+        time.sleep(1.0)  # the events reach the router
+        # Each prompt twice in a row: neither alternation nor a constant choice would pass.
+        for i, attempt in ((0, 0), (0, 1), (1, 0), (1, 1)):
+            before = [r.metrics() for r in replicas]
+            client.completions.create(model="tiny", prompt=prompts[i] + f"Routed {attempt}?", max_tokens=1)
+            served = [r.metrics()[SUCCESS] - b[SUCCESS] for r, b in zip(replicas, before)]
+            assert served[1 - i] == 1, (i, attempt, served, router.output())
     finally:
         if router is not None:
             router.stop()

@@ -27,10 +27,11 @@ from nanovllm.engine.data_parallel import DataParallelEngine, check_data_paralle
 from nanovllm.entrypoints.openai.http_guard import RETRY_AFTER_S, Admission, GuardMiddleware
 from nanovllm.entrypoints.openai.http_server import Server, guarded_h11
 from nanovllm.entrypoints.openai.metrics import ServerMetrics
-from nanovllm.entrypoints.openai.protocol import (APIError, ChatCompletionRequest, CompletionRequest, ModelCard,
-                                                  ModelList)
+from nanovllm.entrypoints.openai.protocol import (APIError, ChatCompletionRequest, CompletionRequest,
+                                                  DetokenizeRequest, ModelCard, ModelList, TokenizeRequest)
 from nanovllm.entrypoints.openai.request_body import parse_request, validation_error
 from nanovllm.entrypoints.openai.serving import OpenAIServing
+from nanovllm.entrypoints.openai.tokenization import Tokenization
 from nanovllm.reasoning import REASONING_PARSERS
 
 logger = logging.getLogger("nanovllm.serve")
@@ -121,6 +122,7 @@ def build_app(engine: AsyncLLMEngine | DataParallelEngine, model_names: list[str
     from nanovllm.engine.tokenizer import load_tokenizer
     config = engine.config
     serving = OpenAIServing(engine, load_tokenizer(config.model), model_names)
+    tokenization = Tokenization(serving)
     admission = admission or Admission()
 
     @asynccontextmanager
@@ -200,6 +202,14 @@ def build_app(engine: AsyncLLMEngine | DataParallelEngine, model_names: list[str
     @app.post("/v1/chat/completions")
     async def chat_completions(raw: Request):
         return await serving.chat(await parse_request(await raw.body(), ChatCompletionRequest), raw)
+
+    @app.post("/tokenize")
+    async def tokenize(raw: Request):
+        return await tokenization.tokenize(await parse_request(await raw.body(), TokenizeRequest))
+
+    @app.post("/detokenize")
+    async def detokenize(raw: Request):
+        return await tokenization.detokenize(await parse_request(await raw.body(), DetokenizeRequest))
 
     app.add_middleware(GuardMiddleware, api_key=api_key, max_body_bytes=max_body_bytes, body_timeout=body_timeout,
                        admission=admission)

@@ -171,6 +171,32 @@ class ChatCompletionRequest(SamplingRequest):
     mm_processor_kwargs: Any = None
 
 
+class TokenizeRequest(OpenAIModel):
+    """vLLM's POST /tokenize: a completion `prompt`, or chat `messages` through the chat template."""
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = Field(default=None, min_length=1)
+    add_special_tokens: bool | None = None  # default: True for a prompt, False for messages (vLLM's)
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    tools: list[ChatTool] | None = None
+    return_token_strs: bool = False
+
+
+class TokenizeResponse(OpenAIModel):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+    token_strs: list[str] | None = None
+
+
+class DetokenizeRequest(OpenAIModel):
+    model: str | None = None
+    tokens: list[int]
+
+
 # ---- responses ------------------------------------------------------------------------------
 class PromptTokensDetails(OpenAIModel):
     cached_tokens: int = 0
