@@ -84,17 +84,22 @@ class Router:
         os.unlink(self.log.name)
 
 
-def test_two_replicas_behind_vllm_router_survive_losing_one(model_factory):
-    # The replicas want an API key: the router forwards the client's, and polls /ready without one.
-    args = [model_factory("qwen3"), *TINY_ARGS, "--served-model-name", "tiny", "--api-key", KEY]
-    with ThreadPoolExecutor(2) as pool:  # the two replicas load together
-        starting = [pool.submit(RemoteServer, args, KEY) for _ in range(2)]
+def _start_replicas(argss: list[list[str]], api_key: str | None = None) -> list[RemoteServer]:
+    """One `nanovllm serve` per argument list, loading together; all stopped if one fails to start."""
+    with ThreadPoolExecutor(len(argss)) as pool:
+        starting = [pool.submit(RemoteServer, args, api_key) for args in argss]
     if any(f.exception() for f in starting):
         for f in starting:
             if f.exception() is None:
                 f.result().stop()
         raise next(f.exception() for f in starting if f.exception())
-    replicas = [f.result() for f in starting]
+    return [f.result() for f in starting]
+
+
+def test_two_replicas_behind_vllm_router_survive_losing_one(model_factory):
+    # The replicas want an API key: the router forwards the client's, and polls /ready without one.
+    args = [model_factory("qwen3"), *TINY_ARGS, "--served-model-name", "tiny", "--api-key", KEY]
+    replicas = _start_replicas([args, args], KEY)
     router = None
     try:
         router = Router([r.url for r in replicas])
@@ -181,14 +186,7 @@ def test_kv_aware_routing_by_the_replicas_kv_events(model_factory):
     ports = [free_port(), free_port()]
     args = [model_factory("qwen3"), *TINY_ARGS, "--served-model-name", "tiny", "--kvcache-block-size", "16",
             "--kv-events-format", "map"]
-    with ThreadPoolExecutor(2) as pool:
-        starting = [pool.submit(RemoteServer, [*args, "--kv-events-endpoint", f"tcp://*:{p}"]) for p in ports]
-    if any(f.exception() for f in starting):
-        for f in starting:
-            if f.exception() is None:
-                f.result().stop()
-        raise next(f.exception() for f in starting if f.exception())
-    replicas = [f.result() for f in starting]
+    replicas = _start_replicas([[*args, "--kv-events-endpoint", f"tcp://*:{p}"] for p in ports])
     router = None
     try:
         sources = [arg for r, p in zip(replicas, ports) for arg in ("--kv-event-source", f"{r.url}=tcp://127.0.0.1:{p}")]
