@@ -218,9 +218,9 @@ def fp8_gated_linear(x: QuantizedActivation, weight: torch.Tensor, scale: torch.
 # of tiles together 2-5% faster than 8 or 1). A decode batch fits one row of tiles (the weights are
 # read once); the tiles along N are then as wide as still gives about one program per SM, and where
 # no width of 64 or more does, 16 columns, 2 warps and 6 stages (qkv of Qwen3-8B, N=6144, 384
-# programs: 13.9 us at M=1 and 14.9 at 16 against 16.2 / 16.8 with 32 columns). The gated form computes two products per tile and
-# quantizes its output per tile: 128 columns (one group), 8 warps to hold both fp32 accumulators and
-# a block's products in registers.
+# programs: 13.9 us at M=1 and 14.9 at 16 against 16.2 / 16.8 with 32 columns). The gated form
+# computes two products per tile and quantizes its output per tile: 128 columns (one group), 8 warps
+# to hold both fp32 accumulators and a block's products in registers.
 PREFILL_CONFIG = Fp8GemmConfig(1, 64, 128, 4, 3, 32)  # where the library GEMM is unavailable
 _MIN_PROGRAMS = 128
 
@@ -231,9 +231,9 @@ def fp8_dense_config(m: int, n: int) -> Fp8GemmConfig:
     bm, stages = (16, 5) if m <= 16 else (64, 4)
     rows = triton.cdiv(m, bm)
     bn = next((bn for bn in (128, 64) if triton.cdiv(n, bn) * rows >= _MIN_PROGRAMS), None)
-    if bn is None:
-        return Fp8GemmConfig(1, 16, 16, 2, 6) if m <= 16 else Fp8GemmConfig(1, bm, 32, 4, stages)
-    return Fp8GemmConfig(1, bm, bn, 4, stages)
+    if bn is not None:
+        return Fp8GemmConfig(1, bm, bn, 4, stages)
+    return Fp8GemmConfig(1, 16, 16, 2, 6) if m <= 16 else Fp8GemmConfig(1, bm, 32, 4, stages)
 
 
 def fp8_gated_config(m: int) -> Fp8GemmConfig:
