@@ -214,9 +214,11 @@ def _prefill_kernel(
              o.to(out_ptr.dtype.element_ty), mask=io_mask)
 
 
-def _prefill_config(head_dim: int, group: int, max_query_len: int, kv_desc: bool = False):
+def _prefill_config(head_dim: int, group: int, max_query_len: int, kv_desc: bool = False,
+                    q_bytes: int = 2):
     """(BLOCK_M, BLOCK_N, num_warps, num_stages): fixed table (no autotuning). kv_desc: K/V tiles
-    can come through TMA descriptors (`_desc_applies`)."""
+    can come through TMA descriptors (`_desc_applies`). q_bytes: 4 for fp32 queries (tests and
+    references), whose 256-row Q tile alone would take 128 KB of shared memory."""
     block_d = triton.next_power_of_2(head_dim)
     rows = max_query_len * group
     if rows <= 16:  # decode-like / tiny chunks: small tiles, no wasted MMA rows
@@ -225,7 +227,7 @@ def _prefill_config(head_dim: int, group: int, max_query_len: int, kv_desc: bool
         block_m, num_warps = 32, 4
     elif rows <= 64:
         block_m, num_warps = 64, 4
-    elif rows <= 256 or triton.next_power_of_2(head_dim) > 128 or kv_desc:
+    elif rows <= 256 or triton.next_power_of_2(head_dim) > 128 or kv_desc or q_bytes > 2:
         # 2 warpgroups x m64 wgmma on Hopper; 4 warps would need ~250 regs/thread. With K/V through
         # TMA, as fast as or faster than 256-row tiles at every shape `scripts/tune.py prefill` runs.
         block_m, num_warps = 128, 8
@@ -297,7 +299,7 @@ def paged_prefill_attention(
 
     desc_ok = _desc_applies(k_cache, v_cache, page_size)
     block_m, block_n, num_warps, num_stages = _config or _prefill_config(
-        head_dim, group, max_query_len, desc_ok)
+        head_dim, group, max_query_len, desc_ok, q.element_size())
     block_q = max(1, block_m // group)
     grid = (batch * num_kv_heads, triton.cdiv(max_query_len, block_q))
     kv_desc = _kv_desc
