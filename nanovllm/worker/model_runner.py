@@ -57,8 +57,8 @@ class StepOutput:
 
     def __init__(self, seqs: list[Sequence], sampled: SamplerOutput | None, host: SamplerOutput | None = None,
                  event=None, deferred: _DeferredDraw | None = None, drafts: list[list[int]] | None = None,
-                 rows: np.ndarray | None = None):
-        """Either `sampled` (copied to fresh pinned memory here), or `host` copies already queued
+                 rows: np.ndarray | None = None, ring: "PinnedTokenRing | None" = None):
+        """Either `sampled` (copied here into `ring`, or fresh pinned memory), or `host` copies already queued
         with the `event` recorded after them, or `deferred`: nothing drawn yet (see `awaits_masks`).
         drafts (a verification step): per sequence the drafts it verified; its rows are then
         len + 1 consecutive rows of token_ids(), one per position. rows: which of the drawn rows
@@ -67,20 +67,27 @@ class StepOutput:
         self.deferred = deferred
         self.drafts = drafts
         self._rows = rows
-        self._complete(sampled, host, event)
+        self._complete(sampled, host, event, ring)
 
     @property
     def awaits_masks(self) -> bool:
         """The step's draw waits for `ModelRunner.sample` (its rows' grammar masks)."""
         return self.deferred is not None
 
-    def _complete(self, sampled: SamplerOutput | None, host: SamplerOutput | None = None, event=None):
+    def _complete(self, sampled: SamplerOutput | None, host: SamplerOutput | None = None, event=None,
+                  ring: "PinnedTokenRing | None" = None):
+        """ring: where a draw without logprobs copies its tokens (a reused pinned buffer and event)."""
         self._host, self._event = host, event
-        if sampled is not None:
-            self._host = sampled.to_host()  # queued copies on a GPU
-            if sampled.token_ids.is_cuda:
-                self._event = torch.cuda.Event()
-                self._event.record()
+        if sampled is None:
+            return
+        if not sampled.token_ids.is_cuda:
+            self._host = sampled
+        elif ring is not None and sampled.logprobs is None:
+            self._host, self._event = ring.copy(sampled.token_ids)
+        else:  # logprobs: fresh pinned copies of every field
+            self._host = sampled.to_host()
+            self._event = torch.cuda.Event()
+            self._event.record()
 
     def token_ids(self) -> list[int]:
         """One token per sequence, or per verified position (see `drafts`)."""
@@ -167,6 +174,8 @@ class ModelRunner:
         self.num_blocks = min_over_ranks(self._num_kv_blocks())
         self.kv_cache = self._allocate_kv_cache(self.num_blocks)
         self._copy_kernel = None  # the torch path copies on the CPU
+        # Every step's token read-back (a verification step's: 1 + k rows a sequence) on a GPU.
+        self._token_ring = PinnedTokenRing(config.max_num_seqs * self.max_query_len) if self.device.type == "cuda" else None
         if self.device.type == "cuda":
             from nanovllm.kernels.copy_kv import copy_kv_prefixes
             self._copy_kernel = copy_kv_prefixes
@@ -179,7 +188,6 @@ class ModelRunner:
                                                 config.max_model_len, capture_sampler=config.tensor_parallel_size == 1,
                                                 bitmasks=self.bitmasks)
             self.graph_runner.capture()
-            self._token_ring = PinnedTokenRing(config.max_num_seqs)
             if spec is not None and config.tensor_parallel_size == 1:
                 from nanovllm.worker.verify_graph import VerifyGraphRunner
                 self.verify_graphs = VerifyGraphRunner(
@@ -388,7 +396,7 @@ class ModelRunner:
             rows[:num_rows] = rows[:n][seq_of_row]
         if num_masks:
             meta.mask_rows, meta.masks, meta.masked_rows = self.bitmasks.send(num_rows, num_masks)
-        output._complete(self._draw(seqs, deferred.logits, meta, output.drafts is not None))
+        output._complete(self._draw(seqs, deferred.logits, meta, output.drafts is not None), ring=self._token_ring)
 
     def _forward_done(self) -> torch.cuda.Event | None:
         """An event behind the forward pass just launched (for MaskFillStats), on a GPU."""
@@ -421,7 +429,8 @@ class ModelRunner:
         if defer_sampling:
             return StepOutput(seqs, None, deferred=_DeferredDraw(logits, meta, None, self._forward_done()),
                               drafts=drafts)
-        return StepOutput(seqs, self._draw(seqs, logits, meta, drafts is not None), drafts=drafts)
+        return StepOutput(seqs, self._draw(seqs, logits, meta, drafts is not None), drafts=drafts,
+                          ring=self._token_ring)
 
     @torch.inference_mode()
     def forward(self, host: HostInputs, last_sampled: torch.Tensor | None = None) -> torch.Tensor | None:
@@ -508,7 +517,7 @@ class ModelRunner:
         if defer_sampling:
             return StepOutput(seqs, None, deferred=_DeferredDraw(logits, meta, bs, self._forward_done()))
         if not plain:
-            return StepOutput(seqs, self._draw(seqs, logits, meta))
+            return StepOutput(seqs, self._draw(seqs, logits, meta), ring=self._token_ring)
         self._remember_sampled(seqs, g.sampled)
         return StepOutput(seqs, None, *self._token_ring.copy(g.sampled[:n]))
 
