@@ -167,6 +167,9 @@ class ModelRunner:
         self.piecewise = None
         self.verify_graphs = None  # speculative verification steps (worker/verify_graph.py)
         self.stage = HostToDevice(self.device)
+        # Every step's token read-back (a verification step's: 1 + k rows a sequence) on a GPU (the memory
+        # profile's step below draws too).
+        self._token_ring = PinnedTokenRing(config.max_num_seqs * self.max_query_len) if self.device.type == "cuda" else None
         self.bitmasks = BitmaskBuffers(config.max_num_seqs, config.hf_config.vocab_size, self.device,
                                        config.max_num_seqs * self.max_query_len)
         self.mask_fill = MaskFillStats()
@@ -174,8 +177,6 @@ class ModelRunner:
         self.num_blocks = min_over_ranks(self._num_kv_blocks())
         self.kv_cache = self._allocate_kv_cache(self.num_blocks)
         self._copy_kernel = None  # the torch path copies on the CPU
-        # Every step's token read-back (a verification step's: 1 + k rows a sequence) on a GPU.
-        self._token_ring = PinnedTokenRing(config.max_num_seqs * self.max_query_len) if self.device.type == "cuda" else None
         if self.device.type == "cuda":
             from nanovllm.kernels.copy_kv import copy_kv_prefixes
             self._copy_kernel = copy_kv_prefixes
