@@ -117,6 +117,8 @@ class PinnedTokenRing:
         """Queue the copy of tokens; (their host copy, the event to wait for before reading it)."""
         i = self._slots.take()
         host = self._buffers[i][:tokens.shape[0]]
+        if host.shape[0] < tokens.shape[0]:  # start-up's compile batches (up to 8 rows) under a small max_num_seqs
+            host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
         host.copy_(tokens, non_blocking=True)
         return SamplerOutput(host), self._slots.copied(i)
 

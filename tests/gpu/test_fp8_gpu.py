@@ -59,9 +59,10 @@ def _reference_gemms(monkeypatch):
 
 
 def _fp8_kernels_agree_with_the_reference(path, monkeypatch, calibrate=False, **kwargs):
-    """calibrate: the near-tie margin is how far two equally valid references differ (the reference
-    GEMMs accumulating in fp32, and in fp64), where that exceeds BF16_NEAR_TIE: with FP8 activations a
-    last-bit difference upstream can move a value by a whole FP8 step after the next quantization."""
+    """calibrate: a second, equally valid reference (the reference GEMMs accumulating in fp64, the
+    first in fp32); each sequence must agree with one of the two, and the near-tie margin is how far
+    they differ where that exceeds BF16_NEAR_TIE: with FP8 activations a last-bit difference upstream
+    can move a value by a whole FP8 step after the next quantization."""
     with LLM(path, **KW, **kwargs) as llm:
         layer = llm.engine.model_runner.model.model.layers[0]
         assert layer.self_attn.qkv_proj.weight.dtype == torch.float8_e4m3fn
@@ -70,7 +71,7 @@ def _fp8_kernels_agree_with_the_reference(path, monkeypatch, calibrate=False, **
     _reference_gemms(monkeypatch)
     with LLM(path, enforce_eager=True, **KW, **kwargs) as llm:
         reference = greedy_topk(llm, PROMPTS, 16)
-    near_tie = BF16_NEAR_TIE
+    near_tie, second = BF16_NEAR_TIE, None
     if calibrate:
         from nanovllm.kernels import reference as ref
 
@@ -84,7 +85,14 @@ def _fp8_kernels_agree_with_the_reference(path, monkeypatch, calibrate=False, **
         spread = reference_spread(reference, second)
         print(f"the fp32 and fp64 references differ by up to {spread:.4f} in logprob")
         near_tie = max(near_tie, spread)
-    assert_bf16_agreement(graphs, reference, "FP8 kernels vs the torch reference GEMMs", near_tie)
+    for i, tokens in enumerate(graphs):  # each sequence agrees with one of the two references
+        try:
+            assert_bf16_agreement([tokens], reference[i:i + 1], f"FP8 kernels vs the torch reference GEMMs, prompt {i}",
+                                  near_tie)
+        except AssertionError:
+            if second is None:
+                raise
+            assert_bf16_agreement([tokens], second[i:i + 1], f"FP8 kernels vs both references, prompt {i}", near_tie)
 
 
 def test_fp8_checkpoint_kernels_agree_with_the_reference(tmp_path, monkeypatch):
