@@ -4,8 +4,9 @@ scheduler, output processing) with the model replaced by a device of fixed speed
 machine, without a GPU.
 
 The stand-in device runs steps back to back, each `--step-ms` (+ `--prefill-us` per prefill token),
-and samples token 7 for every row that samples; the engine overlaps its host work with the device as
-on a GPU (it launches step N, then reads step N-1's tokens, waiting for them if the device is not done).
+and samples token 7 for every row that samples (its logprob 0, for requests that ask); the engine
+overlaps its host work with the device as on a GPU (it launches step N, then reads step N-1's
+tokens, waiting for them if the device is not done).
 
   python scripts/bench_frontend.py --concurrency 256 --num-prompts 512 --step-ms 5
 
@@ -34,6 +35,7 @@ import urllib.request
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 from nanovllm.engine.llm_engine import LLMEngine  # noqa: E402
+from nanovllm.layers.sampler import LogprobsLists  # noqa: E402
 
 # A Qwen3 small enough that its CPU start-up and KV cache cost nothing: the stand-in device never
 # runs it. The vocabulary covers the prompts' token ids.
@@ -61,8 +63,13 @@ class _Sampled:
             time.sleep(wait)
         return [7] * len(self.seqs)
 
-    def logprobs(self):
-        return None
+    def logprobs(self) -> LogprobsLists | None:
+        """Token 7's logprob, 0, for every row when a sequence asked for logprobs: a client that reads
+        the answers' ids from them (bench_serving.py --multi-turn) sends them back in its history."""
+        if all(seq.logprobs is None for seq in self.seqs):
+            return None
+        n = len(self.seqs)
+        return LogprobsLists([[7]] * n, [[0.0]] * n, [1] * n)
 
 
 class StandInDeviceEngine(LLMEngine):

@@ -36,6 +36,24 @@ def test_stand_in_device_paces_the_real_engine(tmp_path):
     assert time.perf_counter() - start >= 0.01 * (steps - 1)  # each step waits for its device time
 
 
+def test_stand_in_device_answers_logprobs_when_asked(tmp_path):
+    """A multi-turn client reads the answers' ids from their logprobs, to send them back."""
+    from nanovllm.config import Config
+    from nanovllm.sampling_params import SamplingParams
+    bench = _module()
+    (tmp_path / "config.json").write_text(json.dumps(bench.TINY_QWEN3))
+    config = Config(str(tmp_path), load_format="dummy", device="cpu", max_num_seqs=4, max_model_len=512,
+                    num_kvcache_blocks=16)
+    engine = bench.stand_in_engine(0.001, 0.0)(config)
+    engine.add_request("plain", list(range(1, 20)), SamplingParams(max_tokens=2, ignore_eos=True))
+    engine.add_request("asks", list(range(1, 30)), SamplingParams(max_tokens=3, ignore_eos=True, logprobs=0))
+    plain, asks = engine.requests["plain"][0], engine.requests["asks"][0]
+    while engine.has_unfinished():
+        engine.step()
+    assert plain.logprobs is None
+    assert [(e["token_id"], e["logprob"], e["rank"]) for e in asks.logprobs] == [(7, 0.0, 1)] * 3
+
+
 def test_whole_server_run(tmp_path):
     out = tmp_path / "summary.json"
     proc = subprocess.run([sys.executable, "scripts/bench_frontend.py", "--num-prompts", "12", "--concurrency", "6",
