@@ -163,10 +163,12 @@ class AsyncLLMEngine:
 
     @property
     def healthy(self) -> bool:
+        """Whether the core serves. Asked several times per request: it makes no system call. The
+        first worker is the core's thread, or in process mode the reader, which ends once the
+        process's pipe closes (a Process.is_alive() waitpid lets go of the interpreter lock, and
+        the event loop then waited for the reader thread to hand it back: ~0.2 ms per request)."""
         if self.dead is not None or not self._workers:
             return False
-        if self._process is not None:
-            return self._process.is_alive()
         return self._workers[0].is_alive()
 
     @property

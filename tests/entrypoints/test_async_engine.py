@@ -166,6 +166,20 @@ def test_killed_engine_process_fails_its_requests(process_engine):
     assert not process_engine.healthy
 
 
+def test_health_of_an_engine_process_asks_no_system_call_and_sees_it_die(process_engine, monkeypatch):
+    """healthy is asked several times per request: its answer comes from the reader thread, which
+    ends once the process's pipe closes, not from a waitpid of the process."""
+    process = process_engine._process
+    monkeypatch.setattr(process, "is_alive", lambda: pytest.fail("healthy asked the process"))
+    assert process_engine.healthy
+    process_engine.accepting = False  # as in a drain: nothing fails the requests, the process just goes
+    os.kill(process.pid, signal.SIGKILL)
+    deadline = time.monotonic() + 10
+    while process_engine.healthy and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert not process_engine.healthy and process_engine.dead is None
+
+
 def test_engine_process_startup_error_is_raised(model_factory):
     config = Config(model_factory("qwen3"), device="cpu", dtype="float32", kv_cache_memory_bytes=16 << 20)
     e = AsyncLLMEngine(config, engine_factory=failing_factory)
