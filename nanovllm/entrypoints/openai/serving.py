@@ -182,12 +182,21 @@ class OpenAIServing:
         self._check_capacity(len(prompts))
         out_queue: asyncio.Queue = asyncio.Queue()
         handles = [self.engine.add_request(ids, sp, stream, out_queue) for ids, sp in zip(prompts, params)]
+        # The answers awaited one after the other, in this task: done when the last is in, as with
+        # asyncio.gather, which then takes one more turn of the event loop (its callback, then this
+        # task), behind every stream's next chunk: a new stream's first chunk waited for it.
+        errors = []
         try:
-            results = await asyncio.gather(*(h.accepted for h in handles), return_exceptions=True)
+            for h in handles:
+                try:
+                    await h.accepted
+                except RequestRejected as e:
+                    errors.append(e)
         except BaseException:  # cancelled: the client left before the engine answered
+            for h in handles:
+                h.accepted.cancel()  # as gather's cancellation did: no answer is left unread
             _abort(handles)
             raise
-        errors = [r for r in results if isinstance(r, BaseException)]
         if errors:
             _abort(handles)
             e = errors[0]
