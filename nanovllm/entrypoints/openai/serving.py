@@ -9,6 +9,7 @@ import functools
 import json
 import time
 
+import anyio
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
@@ -456,5 +457,27 @@ def _sse(chunks, handles: list[RequestHandle], job: "_Job") -> StreamingResponse
             e = job.error          # long gone, so say it here
             yield f"data: {json.dumps(APIError(str(e), e.status).body())}\n\n"
         yield "data: [DONE]\n\n"
-    return StreamingResponse(events(), media_type="text/event-stream",
-                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+    return _EventStream(events(), media_type="text/event-stream",
+                        headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+
+class _EventStream(StreamingResponse):
+    """Starlette's StreamingResponse with the roles of its two tasks swapped: the request's own task
+    writes the chunks and a task started aside watches for the client's disconnect (which cancels
+    the stream, and its engine requests with it). The other way round, a new stream's first chunk
+    waited for the started task's first turn of the event loop, behind every stream's next chunk."""
+
+    async def __call__(self, scope, receive, send):
+        failure = None
+        async with anyio.create_task_group() as watching:
+            async def cancel_on_disconnect():
+                await self.listen_for_disconnect(receive)
+                watching.cancel_scope.cancel()
+            watching.start_soon(cancel_on_disconnect)
+            try:
+                await self.stream_response(send)
+            except Exception as e:  # raised below as itself, not inside the task group's exception group
+                failure = e
+            watching.cancel_scope.cancel()
+        if failure is not None:
+            raise failure
