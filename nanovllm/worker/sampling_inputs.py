@@ -48,7 +48,7 @@ def build_sampling_metadata(seqs: list[Sequence], device: torch.device, eos_toke
     banned_rows, banned_ids = [], []
     bias_rows, bias_ids, bias_values = [], [], []
     max_logprobs = None
-    row = 0
+    row = num_greedy = 0
     # One pass over the sequences: a verifying sequence's rows share its parameters and differ only
     # in their output position (its first row's, + j), so its per-row values are slices.
     for i, seq in enumerate(seqs):
@@ -60,6 +60,7 @@ def build_sampling_metadata(seqs: list[Sequence], device: torch.device, eos_toke
         seeds[row:end] = seq.seed & SEED_MASK
         if sp.greedy:
             temps[row:end] = 0.0  # greedy rows skip the filters: they cannot change an argmax
+            num_greedy += rows
         else:
             temps[row:end] = sp.temperature
             if sp.top_k > 0 or sp.top_p < 1.0:
@@ -92,8 +93,7 @@ def build_sampling_metadata(seqs: list[Sequence], device: torch.device, eos_toke
         row = end
     if row_counts is not None:
         offsets += np.arange(num_rows)
-    greedy = temps == 0.0
-    all_greedy = bool(greedy.all())
+    all_greedy = num_greedy == num_rows
     seeds = seeds.view(np.int64)
     # A greedy row's draw reads no noise, so an all-greedy batch's keys are never read.
     keys = np.zeros(num_rows, dtype=np.int64) if all_greedy else host_row_keys(seeds, offsets)
@@ -113,7 +113,7 @@ def build_sampling_metadata(seqs: list[Sequence], device: torch.device, eos_toke
         offsets=offsets_t,
         row_keys=keys_t,
         all_greedy=all_greedy,
-        all_random=not bool(greedy.any()),
+        all_random=num_greedy == 0,
         max_num_logprobs=max_logprobs,
     )
     if filter_rows:
@@ -122,7 +122,7 @@ def build_sampling_metadata(seqs: list[Sequence], device: torch.device, eos_toke
             meta.top_k = _to_device(np.asarray(top_ks, dtype=np.int64), device)
             meta.max_top_k = max(top_ks)
             meta.top_k_bounded = all(top_ks)
-        meta.random_rows_filtered = len(filter_rows) == num_rows - int(greedy.sum())
+        meta.random_rows_filtered = len(filter_rows) == num_rows - num_greedy
         if any(top_ks) and not (meta.top_k_bounded and meta.random_rows_filtered):
             # Rows with a top_k beside random rows without one: the sampler may split the batch.
             with_k = [row for row, k in zip(filter_rows, top_ks) if k > 0]

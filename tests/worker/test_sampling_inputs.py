@@ -44,12 +44,14 @@ def test_keys_of_an_all_greedy_batch_are_left_out_and_its_draw_is_the_argmax():
     cpu = torch.device("cpu")
     greedy = [Sequence([1, 2, 3], SamplingParams(temperature=0.0), seed=s) for s in (11, 12)]
     meta = build_sampling_metadata(greedy, cpu)
-    assert meta.all_greedy and not meta.row_keys.any()
+    assert meta.all_greedy and not meta.all_random and not meta.row_keys.any()
     logits = torch.randn(2, 50, generator=torch.Generator().manual_seed(0))
     assert torch.equal(Sampler().sample(logits, meta).token_ids, logits.argmax(dim=-1))
 
     mixed = greedy + [Sequence([1, 2, 3], SamplingParams(temperature=0.7), seed=13)]
     meta = build_sampling_metadata(mixed, cpu)
+    assert not meta.all_greedy and not meta.all_random
+    assert build_sampling_metadata(mixed[2:], cpu).all_random
     seeds = np.array([11, 12, 13], dtype=np.int64)
     assert np.array_equal(meta.row_keys.numpy(), host_row_keys(seeds, np.zeros(3, dtype=np.int64)))
 
