@@ -270,14 +270,15 @@ class LLMEngine:
             self.scheduler.rollback(seq, len(draft) + 1 - len(gained))
             if seq.first_token_time is None:
                 seq.first_token_time = now
-            for j, token in enumerate(gained):
-                seq.append_token(token)
-                reason = self.output_processor.check(seq, token, None if logprobs is None else logprobs.row(start + j))
-                if rejected and seq in rejected:
-                    reason = "abort"
-                if reason is not None:
-                    self._end(seq, reason, finished)
-                    break
+            aborted = rejected and seq in rejected
+            if aborted:
+                gained = gained[:1]  # its grammar ended it at the first
+            rows = None if logprobs is None else [logprobs.row(start + j) for j in range(len(gained))]
+            reason = self.output_processor.append_run(seq, gained, rows)
+            if aborted:
+                reason = "abort"
+            if reason is not None:
+                self._end(seq, reason, finished)
         self.scheduler.publish(batch)
         return finished
 

@@ -32,6 +32,40 @@ class OutputProcessor:
         seq.append_token(token_id)
         return self.check(seq, token_id, logprobs)
 
+    def append_run(self, seq: Sequence, token_ids: list[int], logprobs: list | None = None) -> str | None:
+        """Append token_ids (at least one) to seq one by one as `append` would, stopping after the
+        first that finishes it; returns that finish reason or None (a verification step's accepted run).
+        logprobs: each token's row, or None. Without text to follow (no stop strings, not
+        streamed) or logprobs to record, a stop is only a token id or a length: the run's are
+        found without the per-token bookkeeping."""
+        sp = seq.sampling_params
+        if (getattr(seq, "detokenizer", None) is not None or sp.stop_list or self.stream_all
+                or (logprobs is not None and seq.logprobs is not None)):
+            for j, token in enumerate(token_ids):
+                reason = self.append(seq, token, None if logprobs is None else logprobs[j])
+                if reason is not None:
+                    return reason
+            return None
+        in_flight = getattr(seq, "num_pending_tokens", 0)
+        n_out = seq.num_completion_tokens - in_flight  # before the run
+        known = seq.num_tokens - in_flight
+        # The tokens up to the first that reaches max_tokens or max_model_len (all, if none does).
+        take = max(1, min(len(token_ids), sp.max_tokens - n_out, self.max_model_len - known))
+        reason = "length" if n_out + take >= sp.max_tokens or known + take >= self.max_model_len else None
+        stops = sp.stop_token_ids
+        eos = () if sp.ignore_eos else self.eos_token_ids
+        if stops or eos:
+            for j in range(max(0, sp.min_tokens - n_out), take):  # n_out + j + 1 > min_tokens
+                token = token_ids[j]
+                if token in eos:
+                    reason, seq.stop_reason, take = "stop", None, j + 1
+                    break
+                if token in stops:
+                    reason, seq.stop_reason, take = "stop", token, j + 1
+                    break
+        seq.token_ids.extend(token_ids[:take])
+        return reason
+
     def check(self, seq: Sequence, token_id: int, logprobs: tuple | None = None) -> str | None:
         """token_id is seq's newest known token (already in seq.token_ids; tokens of a step still
         in flight may follow it as placeholders). Records its logprobs and text; returns a finish

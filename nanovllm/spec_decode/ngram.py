@@ -9,23 +9,23 @@ from nanovllm.worker.sampling_inputs import settled_tokens
 
 def ngram_lookup(tokens: np.ndarray, min_n: int, max_n: int, k: int) -> np.ndarray:
     """The up to k tokens that followed the earliest earlier occurrence of tokens' longest suffix
-    of min_n..max_n tokens (a view of tokens; empty when there is none). A vectorised pass over
-    the history for its last token, then the matches shrink as the suffix grows."""
+    of min_n..max_n tokens (a view of tokens; empty when there is none). The longest suffix first,
+    each one byte-substring search of the history in C (numpy took several calls per n, each
+    dearer than the whole scan)."""
     total = len(tokens)
     if total <= min_n or k <= 0:
         return tokens[:0]
-    ends = np.flatnonzero(tokens[:total - 1] == tokens[total - 1])  # where an earlier occurrence ends
-    best = ends[0] if min_n == 1 and ends.size else -1
-    for n in range(2, min(max_n, total - 1) + 1):
-        ends = ends[ends >= n - 1]
-        ends = ends[tokens[ends - (n - 1)] == tokens[total - n]]
-        if not ends.size:
-            break
-        if n >= min_n:
-            best = ends[0]
-    if best < 0:
-        return tokens[:0]
-    return tokens[best + 1:best + 1 + k]
+    history = tokens[:total - 1].tobytes()  # an occurrence ends before the last token
+    width = tokens.itemsize
+    for n in range(min(max_n, total - 1), min_n - 1, -1):
+        suffix = tokens[total - n:].tobytes()
+        at = history.find(suffix)
+        while at > 0 and at % width:  # a match across token boundaries is none: look further
+            at = history.find(suffix, at + 1)
+        if at >= 0:
+            end = at // width + n  # the token after the occurrence
+            return tokens[end:end + k]
+    return tokens[:0]
 
 
 class NgramProposer:

@@ -34,60 +34,73 @@ def build_sampling_metadata(seqs: list[Sequence], device: torch.device, eos_toke
     i then has len(drafts[i]) + 1 rows, row j drawing output position num_completion_tokens + j
     as if drafts[i][:j] had been generated: its noise, min_tokens bans and penalty history are
     that position's, so every row draws what plain decoding would draw there."""
-    row_ahead = row_extra = None
-    if drafts is not None:
-        seqs, row_ahead, row_extra = _verification_rows(seqs, drafts)
     num_seqs = len(seqs)
-    temps = np.empty(num_seqs, dtype=np.float32)
-    seeds = np.empty(num_seqs, dtype=np.uint64)
-    offsets = np.empty(num_seqs, dtype=np.int64)
+    row_counts = None if drafts is None else [len(d) + 1 for d in drafts]
+    num_rows = num_seqs if row_counts is None else sum(row_counts)
+    temps = np.empty(num_rows, dtype=np.float32)
+    seeds = np.empty(num_rows, dtype=np.uint64)
+    # With drafts, row r of a sequence whose rows start at `row` draws output position num_out + r - row:
+    # num_out - row here, + r after the loop.
+    offsets = np.empty(num_rows, dtype=np.int64)
     filter_rows, top_ks, top_ps = [], [], []
     min_p_rows, min_ps = [], []
-    penalty_rows = []
+    penalty_rows, penalty_seqs, penalty_extras = [], [], []
     banned_rows, banned_ids = [], []
     bias_rows, bias_ids, bias_values = [], [], []
     max_logprobs = None
+    row = num_greedy = 0
+    # One pass over the sequences: a verifying sequence's rows share its parameters and differ only
+    # in their output position (its first row's, + j), so its per-row values are slices.
     for i, seq in enumerate(seqs):
+        rows = 1 if row_counts is None else row_counts[i]
+        end = row + rows
         sp = seq.sampling_params
-        num_out = seq.num_completion_tokens if row_ahead is None else seq.num_completion_tokens + row_ahead[i]
-        offsets[i] = num_out
-        seeds[i] = seq.seed & SEED_MASK
+        num_out = seq.num_completion_tokens
+        offsets[row:end] = num_out - row if row_counts is not None else num_out
+        seeds[row:end] = seq.seed & SEED_MASK
         if sp.greedy:
-            temps[i] = 0.0  # greedy rows skip the filters: they cannot change an argmax
+            temps[row:end] = 0.0  # greedy rows skip the filters: they cannot change an argmax
+            num_greedy += rows
         else:
-            temps[i] = sp.temperature
+            temps[row:end] = sp.temperature
             if sp.top_k > 0 or sp.top_p < 1.0:
-                filter_rows.append(i)
-                top_ks.append(max(sp.top_k, 0))
-                top_ps.append(sp.top_p)
+                filter_rows.extend(range(row, end))
+                top_ks.extend([max(sp.top_k, 0)] * rows)
+                top_ps.extend([sp.top_p] * rows)
             if sp.min_p > 0.0:
-                min_p_rows.append(i)
-                min_ps.append(sp.min_p)
+                min_p_rows.extend(range(row, end))
+                min_ps.extend([sp.min_p] * rows)
         if sp.presence_penalty != 0.0 or sp.frequency_penalty != 0.0 or sp.repetition_penalty != 1.0:
-            penalty_rows.append(i)
+            penalty_rows.extend(range(row, end))
+            penalty_seqs.extend([seq] * rows)
+            if drafts is not None:
+                penalty_extras.extend(drafts[i][:j] for j in range(rows))
         # Under a grammar, its mask keeps stop tokens out instead (structured_output/manager.py).
         if num_out < sp.min_tokens and (seq.grammar is None or not seq.grammar.bans_stop_tokens):
             ids = set(sp.stop_token_ids) if sp.ignore_eos else set(sp.stop_token_ids) | set(eos_token_ids)
             if vocab_size is not None:
                 ids = [t for t in ids if t < vocab_size]
-            banned_rows.extend([i] * len(ids))
-            banned_ids.extend(ids)
+            for r in range(row, min(end, row + sp.min_tokens - num_out)):  # the rows under min_tokens
+                banned_rows.extend([r] * len(ids))
+                banned_ids.extend(ids)
         if sp.logit_bias is not None:
-            bias_rows.extend([i] * len(sp.logit_bias))
-            bias_ids.extend(sp.logit_bias)
-            bias_values.extend(sp.logit_bias.values())
+            for r in range(row, end):
+                bias_rows.extend([r] * len(sp.logit_bias))
+                bias_ids.extend(sp.logit_bias)
+                bias_values.extend(sp.logit_bias.values())
         if sp.logprobs is not None and (max_logprobs is None or sp.logprobs > max_logprobs):
             max_logprobs = sp.logprobs
-    greedy = temps == 0.0
-    all_greedy = bool(greedy.all())
+        row = end
+    if row_counts is not None:
+        offsets += np.arange(num_rows)
+    all_greedy = num_greedy == num_rows
     seeds = seeds.view(np.int64)
     # A greedy row's draw reads no noise, so an all-greedy batch's keys are never read.
-    keys = np.zeros(num_seqs, dtype=np.int64) if all_greedy else host_row_keys(seeds, offsets)
+    keys = np.zeros(num_rows, dtype=np.int64) if all_greedy else host_row_keys(seeds, offsets)
     per_row = [temps, seeds, offsets, keys]
     histories = None
     if penalty_rows:  # their arrays travel in the same copy
-        histories = PenaltyHistories([seqs[i] for i in penalty_rows], last_row_of_seq,
-                                     None if row_extra is None else [row_extra[i] for i in penalty_rows])
+        histories = PenaltyHistories(penalty_seqs, last_row_of_seq, penalty_extras if drafts is not None else None)
         per_row += histories.arrays
     if stage is not None:
         on_device = stage(*per_row)
@@ -100,29 +113,29 @@ def build_sampling_metadata(seqs: list[Sequence], device: torch.device, eos_toke
         offsets=offsets_t,
         row_keys=keys_t,
         all_greedy=all_greedy,
-        all_random=not bool(greedy.any()),
+        all_random=num_greedy == 0,
         max_num_logprobs=max_logprobs,
     )
     if filter_rows:
-        meta.filter_rows = _rows(filter_rows, num_seqs, device)
+        meta.filter_rows = _rows(filter_rows, num_rows, device)
         if any(top_ks):
             meta.top_k = _to_device(np.asarray(top_ks, dtype=np.int64), device)
             meta.max_top_k = max(top_ks)
             meta.top_k_bounded = all(top_ks)
-        meta.random_rows_filtered = len(filter_rows) == num_seqs - int(greedy.sum())
+        meta.random_rows_filtered = len(filter_rows) == num_rows - num_greedy
         if any(top_ks) and not (meta.top_k_bounded and meta.random_rows_filtered):
             # Rows with a top_k beside random rows without one: the sampler may split the batch.
             with_k = [row for row, k in zip(filter_rows, top_ks) if k > 0]
-            others = sorted(set(range(num_seqs)) - set(with_k))
+            others = sorted(set(range(num_rows)) - set(with_k))
             meta.top_k_rows = _to_device(np.asarray(with_k, dtype=np.int64), device)
             meta.other_rows = _to_device(np.asarray(others, dtype=np.int64), device)
         if any(p < 1.0 for p in top_ps):
             meta.top_p = _to_device(np.asarray(top_ps, dtype=np.float32), device)
     if min_p_rows:
-        meta.min_p_rows = _rows(min_p_rows, num_seqs, device)
+        meta.min_p_rows = _rows(min_p_rows, num_rows, device)
         meta.min_p = _to_device(np.asarray(min_ps, dtype=np.float32), device)
     if histories is not None:
-        meta.penalties = histories.inputs(on_device[4:], _rows(penalty_rows, num_seqs, device), last_sampled)
+        meta.penalties = histories.inputs(on_device[4:], _rows(penalty_rows, num_rows, device), last_sampled)
     if bias_ids:
         meta.bias_rows = _to_device(np.asarray(bias_rows, dtype=np.int64), device)
         meta.bias_ids = _to_device(np.asarray(bias_ids, dtype=np.int64), device)
@@ -131,18 +144,6 @@ def build_sampling_metadata(seqs: list[Sequence], device: torch.device, eos_toke
         meta.banned_rows = _to_device(np.asarray(banned_rows, dtype=np.int64), device)
         meta.banned_ids = _to_device(np.asarray(banned_ids, dtype=np.int64), device)
     return meta
-
-
-def _verification_rows(seqs: list[Sequence], drafts: list[list[int]]):
-    """Sequence i's len(drafts[i]) + 1 rows: (the sequence, positions ahead of its outputs, the
-    drafts before that position), in order."""
-    rows, ahead, extra = [], [], []
-    for seq, draft in zip(seqs, drafts):
-        for j in range(len(draft) + 1):
-            rows.append(seq)
-            ahead.append(j)
-            extra.append(draft[:j])
-    return rows, ahead, extra
 
 
 def host_row_keys(seeds: np.ndarray, offsets: np.ndarray) -> np.ndarray:

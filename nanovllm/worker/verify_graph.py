@@ -46,37 +46,47 @@ def fill_verify_inputs(views: dict[str, np.ndarray], batch, padded: int, query_l
     `logits_rows`, the real rows in order, and returns how many there are."""
     seqs, spec, q = batch.seqs, batch.spec, query_len
     n = len(seqs)
-    counts = np.asarray(batch.num_new_tokens, dtype=np.int64)
-    seq_lens = np.fromiter((s.num_computed_tokens for s in seqs), np.int64, n) + counts
+    counts = batch.num_new_tokens
+    seq_lens = np.fromiter((s.num_computed_tokens + c for s, c in zip(seqs, counts)), np.int64, n)
     views["seq_lens"][:n] = seq_lens
-    views["seq_lens"][n:padded] = 0
     block_tables = views["block_tables"]
     write_block_tables(block_tables, [s.block_table for s in seqs])
+    # Every window full (each sequence verifies q - 1 drafts, the usual step): no padding rows to mask.
+    full = min(counts) == q
 
     # Window column c of sequence i holds position seq_len - Q + c; its last counts[i] columns are real.
     positions = seq_lens[:, None] + np.arange(-q, 0)                                 # [n, Q]
-    real = positions >= (seq_lens - counts)[:, None]
-    np.maximum(positions, 0, out=positions)
+    if not full:
+        real = positions >= (seq_lens - np.asarray(counts, dtype=np.int64))[:, None]
+        np.maximum(positions, 0, out=positions)
     pos = views["positions"][:padded * q].reshape(padded, q)
     pos[:n] = positions
-    pos[n:] = 0
     slots = views["slot_mapping"][:padded * q].reshape(padded, q)
     slots[:n] = block_tables[np.arange(n)[:, None], positions // block_size]
     slots[:n] *= block_size
     slots[:n] += positions % block_size
-    slots[:n][~real] = -1
-    slots[n:] = -1
     ids = views["input_ids"][:padded * q].reshape(padded, q)
-    ids[:] = 0
-    ids[:n][real] = np.fromiter(chain.from_iterable(s.token_ids[s.num_computed_tokens:] + d
-                                                    for s, d in zip(seqs, spec)), np.int64, int(counts.sum()))
-
-    order = views["decode_order"]
-    order[:n] = np.argsort(-seq_lens, kind="stable")  # longest context first
-    order[n:padded] = np.arange(n, padded)
-    rows = np.flatnonzero(real)
-    views["logits_rows"][:rows.size] = rows
-    return rows.size
+    new_ids = np.fromiter(chain.from_iterable(s.token_ids[s.num_computed_tokens:] + d for s, d in zip(seqs, spec)),
+                          np.int64, sum(counts))
+    if full:
+        ids[:n] = new_ids.reshape(n, q)
+        num_rows = n * q
+        views["logits_rows"][:num_rows] = np.arange(num_rows)
+    else:
+        slots[:n][~real] = -1
+        ids[:n] = 0
+        ids[:n][real] = new_ids
+        rows = np.flatnonzero(real)
+        num_rows = rows.size
+        views["logits_rows"][:num_rows] = rows
+    if padded > n:  # padding sequences: context length 0, nothing stored
+        views["seq_lens"][n:padded] = 0
+        pos[n:] = 0
+        slots[n:] = -1
+        ids[n:] = 0
+        views["decode_order"][n:padded] = np.arange(n, padded)
+    views["decode_order"][:n] = np.argsort(-seq_lens, kind="stable")  # longest context first
+    return num_rows
 
 
 def verify_metadata(static: dict[str, torch.Tensor], query_start_loc: torch.Tensor, bs: int, query_len: int,

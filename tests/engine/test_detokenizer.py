@@ -212,3 +212,48 @@ def test_processor_records_logprobs():
     proc.append(seq, 9, ([9, 3, 9], [-1.5, -0.5, -1.5], 2))
     assert seq.logprobs == [{"token_id": 9, "logprob": -1.5, "rank": 2,
                              "top_logprobs": [{"token_id": 3, "logprob": -0.5}]}]
+
+
+def _one_by_one(proc, seq, ids, logprobs=None):
+    for j, t in enumerate(ids):
+        reason = proc.append(seq, t, None if logprobs is None else logprobs[j])
+        if reason:
+            return reason
+    return None
+
+
+def _state(seq):
+    return seq.token_ids, seq.stop_reason, seq.logprobs, getattr(seq, "detokenizer", None) is not None
+
+
+@pytest.mark.parametrize("with_tokenizer", [False, True])
+def test_append_run_is_appending_one_by_one(tiny_tok, with_tokenizer):
+    """A verification step's accepted run: the same tokens, stop and reason as appending each in turn,
+    for eos, stop ids, ignore_eos, min_tokens, max_tokens, max_model_len, stop strings, logprobs."""
+    import random
+    rng = random.Random(0)
+    tok = tiny_tok if with_tokenizer else None
+    for case in range(600):
+        options = {"max_tokens": rng.randint(1, 12), "min_tokens": rng.choice([0, 0, 2, 5]),
+                   "stop_token_ids": rng.choice([[], [7], [7, 8]]), "ignore_eos": rng.random() < 0.2}
+        if with_tokenizer and rng.random() < 0.3:
+            options["stop"] = ["ab"]
+        if rng.random() < 0.2:
+            options["logprobs"] = 0
+        options["min_tokens"] = min(options["min_tokens"], options["max_tokens"])
+        max_model_len = rng.choice([1024, rng.randint(5, 14)])
+        prompt = [rng.randint(3, 60) for _ in range(rng.randint(1, 4))]
+        done = rng.randint(0, 6)  # outputs before the run
+        run = [rng.choice([EOS, 7, 8] + list(range(30, 60))) for _ in range(rng.randint(1, 6))]
+        logprobs = [([t], [-1.0], 1) for t in run] if rng.random() < 0.5 else None
+        seqs = []
+        for _ in range(2):
+            seq = Sequence(prompt, SamplingParams(**options), seed=0)
+            seq.token_ids += [40] * done
+            seqs.append(seq)
+        if len(seqs[0]) >= max_model_len or done >= options["max_tokens"]:
+            continue  # finished before the run
+        proc = OutputProcessor({EOS}, max_model_len, tok, stream_all=with_tokenizer and case % 2 == 0)
+        got = proc.append_run(seqs[0], run, logprobs)
+        expected = _one_by_one(proc, seqs[1], run, logprobs)
+        assert (got, _state(seqs[0])) == (expected, _state(seqs[1])), (options, max_model_len, done, run)

@@ -44,11 +44,57 @@ def test_keys_of_an_all_greedy_batch_are_left_out_and_its_draw_is_the_argmax():
     cpu = torch.device("cpu")
     greedy = [Sequence([1, 2, 3], SamplingParams(temperature=0.0), seed=s) for s in (11, 12)]
     meta = build_sampling_metadata(greedy, cpu)
-    assert meta.all_greedy and not meta.row_keys.any()
+    assert meta.all_greedy and not meta.all_random and not meta.row_keys.any()
     logits = torch.randn(2, 50, generator=torch.Generator().manual_seed(0))
     assert torch.equal(Sampler().sample(logits, meta).token_ids, logits.argmax(dim=-1))
 
     mixed = greedy + [Sequence([1, 2, 3], SamplingParams(temperature=0.7), seed=13)]
     meta = build_sampling_metadata(mixed, cpu)
+    assert not meta.all_greedy and not meta.all_random
+    assert build_sampling_metadata(mixed[2:], cpu).all_random
     seeds = np.array([11, 12, 13], dtype=np.int64)
     assert np.array_equal(meta.row_keys.numpy(), host_row_keys(seeds, np.zeros(3, dtype=np.int64)))
+
+
+def test_verification_rows_are_the_rows_of_their_positions():
+    """A sequence verifying drafts d gets len(d) + 1 rows; row j's parameters are those a plain step
+    would build once d[:j] had been generated: its offset, min_tokens bans, penalty history, and the
+    sequence's filters, bias and seed."""
+    from nanovllm import SamplingParams
+    from nanovllm.engine.sequence import Sequence
+    from nanovllm.worker.sampling_inputs import build_sampling_metadata
+
+    cpu = torch.device("cpu")
+    params = [SamplingParams(temperature=0.0, min_tokens=3, stop_token_ids=[9]),
+              SamplingParams(temperature=0.8, top_k=5, top_p=0.9, min_p=0.1, logit_bias={4: 1.5, 6: -2.0}),
+              SamplingParams(temperature=0.7, repetition_penalty=1.2, frequency_penalty=0.3, min_tokens=6),
+              SamplingParams(temperature=0.0, presence_penalty=0.5, logprobs=2),
+              SamplingParams(temperature=0.9)]
+    drafts = [[7, 8, 9], [], [5, 5], [1], [2, 3, 4, 5]]
+    seqs = []
+    for i, sp in enumerate(params):
+        seq = Sequence([10 + i, 11, 12], sp, seed=100 + i)
+        seq.token_ids += [20 + i] * i  # i outputs so far
+        seqs.append(seq)
+    got = build_sampling_metadata(seqs, cpu, eos_token_ids=(2,), vocab_size=50, drafts=drafts)
+    # The reference: one plain row per position, a sequence with the drafts before it generated.
+    rows = []
+    for seq, draft in zip(seqs, drafts):
+        for j in range(len(draft) + 1):
+            row = Sequence(seq.prompt_token_ids, seq.sampling_params, seed=seq.seed)
+            row.token_ids = seq.token_ids + draft[:j]
+            rows.append(row)
+    expected = build_sampling_metadata(rows, cpu, eos_token_ids=(2,), vocab_size=50)
+    for name in ("temperatures", "seeds", "offsets", "row_keys", "filter_rows", "top_k", "top_p", "min_p_rows",
+                 "min_p", "banned_rows", "banned_ids", "bias_rows", "bias_ids", "bias_values", "top_k_rows",
+                 "other_rows"):
+        a, b = getattr(got, name), getattr(expected, name)
+        assert (a is None) == (b is None) and (a is None or torch.equal(a, b)), name
+    for name in ("all_greedy", "all_random", "max_num_logprobs", "max_top_k", "top_k_bounded", "random_rows_filtered"):
+        assert getattr(got, name) == getattr(expected, name), name
+    p, q = got.penalties, expected.penalties
+    for name in ("rows", "output_tokens", "output_rows", "prompt_tokens", "prompt_rows", "repetition", "frequency",
+                 "presence"):
+        a, b = getattr(p, name), getattr(q, name)
+        assert (a is None) == (b is None) and (a is None or torch.equal(a, b)), name
+    assert got.banned_rows is not None and got.penalties.rows is not None  # the cases are exercised

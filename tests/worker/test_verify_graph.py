@@ -67,3 +67,56 @@ def test_only_pure_verification_steps_fit():
     assert not verify_step_fits(ScheduledBatch([decode, prefill], [3, 4], num_decodes=0, spec=[[8, 9], []]), Q, 2)
     decode.append_pending()  # a token still in flight
     assert not verify_step_fits(ScheduledBatch([decode], [3], num_decodes=0, spec=[[8, 9]]), Q, max_bs=1)
+
+
+def _window_reference(batch, padded: int, block_size: int) -> dict[str, list]:
+    """The layout spelled out, row by row: a sequence's new tokens in the last columns of its window."""
+    ref = {"input_ids": [], "positions": [], "slot_mapping": [], "logits_rows": [], "seq_lens": []}
+    for i, (seq, n, draft) in enumerate(zip(batch.seqs, batch.num_new_tokens, batch.spec)):
+        seq_len = seq.num_computed_tokens + n
+        new = seq.token_ids[seq.num_computed_tokens:] + draft
+        ref["seq_lens"].append(seq_len)
+        for c in range(Q):
+            p = seq_len - Q + c
+            real = c >= Q - n
+            ref["positions"].append(max(p, 0))
+            ref["slot_mapping"].append(seq.block_table[p // block_size] * block_size + p % block_size if real else -1)
+            ref["input_ids"].append(new[c - (Q - n)] if real else 0)
+            if real:
+                ref["logits_rows"].append(i * Q + c)
+    pad = padded - len(batch.seqs)
+    ref["seq_lens"] += [0] * pad
+    ref["positions"] += [0] * pad * Q
+    ref["slot_mapping"] += [-1] * pad * Q
+    ref["input_ids"] += [0] * pad * Q
+    return ref
+
+
+def test_window_layout_full_and_partial_windows():
+    """Every window full (each sequence k drafts: no padding rows) and windows with padding rows,
+    each with and without padding sequences, against the layout spelled out; stale values in the
+    views (a reused pinned buffer) are overwritten."""
+    block_size = 4
+    params = SamplingParams(temperature=0.0)
+    seqs = []
+    for i, length in enumerate([9, 14, 3]):
+        seq = Sequence(list(range(10 * i, 10 * i + length)), params, seed=i)
+        seq.num_computed_tokens = length - 1
+        seq.block_table = [7 * i + b for b in range(-(-(length + K) // block_size))]
+        seqs.append(seq)
+    full = ScheduledBatch(seqs, [Q] * 3, num_decodes=0, spec=[[1, 2, 3], [4, 5, 6], [7, 8, 9]])
+    partial = ScheduledBatch(seqs, [Q, 1, 3], num_decodes=0, spec=[[1, 2, 3], [], [7, 8]])
+    for batch in (full, partial):
+        for padded in (3, 4):
+            views = _views(4, 8)
+            for a in views.values():
+                a.fill(55)
+            num_rows = fill_verify_inputs(views, batch, padded, Q, block_size)
+            ref = _window_reference(batch, padded, block_size)
+            assert num_rows == len(ref["logits_rows"])
+            assert views["logits_rows"][:num_rows].tolist() == ref["logits_rows"]
+            for name in ("input_ids", "positions", "slot_mapping", "seq_lens"):
+                assert views[name][:len(ref[name])].tolist() == ref[name], (name, batch.num_new_tokens, padded)
+            lens = views["seq_lens"][:3]
+            expected_order = np.argsort(-lens, kind="stable").tolist() + [3] * (padded - 3)
+            assert views["decode_order"][:padded].tolist() == expected_order
