@@ -1,15 +1,8 @@
-"""scripts/bench_verify_host.py: the real engine's verification steps over the stand-in device."""
-import importlib.util
-import os
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+"""benchmarks/verify_host.py: the real engine's verification steps over the stand-in device."""
+from benchmarks import verify_host as bench
 
 
 def test_every_draft_is_accepted_and_each_step_timed():
-    path = os.path.join(ROOT, "scripts/bench_verify_host.py")
-    spec = importlib.util.spec_from_file_location("bench_verify_host", path)
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
     results = bench.main(["--batch-sizes", "1,2", "--rounds", "1", "--max-tokens", "60", "--parts"])
     for b in (1, 2):
         # The prefill's token, then 9 steps of 5 drafts all accepted (6 tokens each) before the cap

@@ -6,7 +6,7 @@ tokens the prompt continues with. What a step costs then is the host's work betw
 previous step's tokens and launching the next (a verification step does not overlap the device),
 less the CUDA API calls and the pinned copy, which need a GPU.
 
-    python scripts/bench_verify_host.py [--batch-sizes 1,4,16] [-k 5] [--parts] [--profile 16]
+    python -m benchmarks.verify_host [--batch-sizes 1,4,16] [-k 5] [--parts] [--profile 16]
 
 --parts: the median microseconds of the step's parts too (each wrapper adds ~0.2 us to its part).
 """
@@ -15,22 +15,19 @@ import cProfile
 import json
 import os
 import pstats
-import sys
 import tempfile
 import time
 
 import numpy as np
 import torch
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-
-from nanovllm.config import Config  # noqa: E402
-from nanovllm.engine.llm_engine import LLMEngine  # noqa: E402
-from nanovllm.layers.sampler import SamplerOutput  # noqa: E402
-from nanovllm.sampling_params import SamplingParams  # noqa: E402
-from nanovllm.worker import model_runner  # noqa: E402
-from nanovllm.worker.cuda_graph import batch_size_ladder  # noqa: E402
-from nanovllm.worker.verify_graph import fill_verify_inputs, verify_step_fits  # noqa: E402
+from nanovllm.config import Config
+from nanovllm.engine.llm_engine import LLMEngine
+from nanovllm.layers.sampler import SamplerOutput
+from nanovllm.sampling_params import SamplingParams
+from nanovllm.worker import model_runner
+from nanovllm.worker.cuda_graph import batch_size_ladder
+from nanovllm.worker.verify_graph import fill_verify_inputs, verify_step_fits
 
 # bench_frontend.py's tiny Qwen3: its start-up costs nothing, and only prefill steps run it.
 TINY_QWEN3 = {
