@@ -44,17 +44,28 @@ from nanovllm.engine.sequence import Sequence
 @dataclass
 class SpecDecodeStats:
     """Counters since the engine started, vLLM's meanings: drafts verified (one per sequence and
-    step), draft tokens proposed, of them accepted, and accepted by position in the draft."""
+    step), draft tokens proposed, of them accepted, and accepted by position in the draft (kept as
+    drafts_by_accepted[a]: the drafts of which exactly a were accepted, one count per draft
+    instead of one per accepted position)."""
     num_drafts: int = 0
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
-    accepted_per_position: list[int] = field(default_factory=list)
+    drafts_by_accepted: list[int] = field(default_factory=list)
+
+    @property
+    def accepted_per_position(self) -> list[int]:
+        """[p]: the drafts whose token at position p was accepted (those with more than p accepted)."""
+        per_position, accepted_beyond = [], 0
+        for count in reversed(self.drafts_by_accepted[1:]):
+            accepted_beyond += count
+            per_position.append(accepted_beyond)
+        return per_position[::-1]
 
     def as_dict(self) -> dict:
         return {"spec_decode_num_drafts": self.num_drafts,
                 "spec_decode_num_draft_tokens": self.num_draft_tokens,
                 "spec_decode_num_accepted_tokens": self.num_accepted_tokens,
-                "spec_decode_num_accepted_tokens_per_pos": list(self.accepted_per_position)}
+                "spec_decode_num_accepted_tokens_per_pos": self.accepted_per_position}
 
 
 class Speculator:
@@ -65,7 +76,7 @@ class Speculator:
         self.max_model_len = max_model_len
         self.k = spec_config.num_speculative_tokens if spec_config is not None else 0
         self.max_batch = spec_config.disable_by_batch_size if spec_config is not None else 0
-        self.stats = SpecDecodeStats(accepted_per_position=[0] * self.k)
+        self.stats = SpecDecodeStats(drafts_by_accepted=[0] * (self.k + 1))
 
     @property
     def enabled(self) -> bool:
@@ -76,11 +87,12 @@ class Speculator:
         """How many drafts seq can take now: k, fewer near its max_tokens or max_model_len (a step
         gains at most drafts + 1 tokens), 0 while it prefills, is under a grammar (not speculated)
         or (unless in_flight_ok: the number once the step in flight is in) has a token in flight."""
-        if seq.grammar is not None or seq.num_computed_tokens != seq.num_tokens - 1:
+        num_tokens = len(seq.token_ids)  # once: the properties were a third of this check's cost
+        if seq.grammar is not None or seq.num_computed_tokens != num_tokens - 1:
             return 0
         if seq.num_pending_tokens and not in_flight_ok:
             return 0
-        left = min(seq.sampling_params.max_tokens - seq.num_completion_tokens, self.max_model_len - seq.num_tokens)
+        left = min(seq.sampling_params.max_tokens - (num_tokens - seq.num_prompt_tokens), self.max_model_len - num_tokens)
         return max(0, min(self.k, left - 1))
 
     def wants_drafts(self, running: list[Sequence], in_flight: bool) -> bool:
@@ -109,18 +121,21 @@ class Speculator:
     def verify(self, rows: list[int], draft: list[int]) -> list[int]:
         """The tokens a sequence gains from its verification rows (rows[j] drawn after draft[:j]):
         the drafts up to the first that differs from its row's draw, then that row's draw."""
-        accepted = 0
-        for drawn, proposed in zip(rows, draft):
-            if drawn != proposed:
-                break
-            accepted += 1
-        if draft:
+        proposed = len(draft)
+        if rows[:proposed] == draft:  # all accepted: one list compare in C, not a loop per token
+            accepted = proposed
+        else:
+            accepted = 0
+            for drawn, token in zip(rows, draft):
+                if drawn != token:
+                    break
+                accepted += 1
+        if proposed:
             stats = self.stats
             stats.num_drafts += 1
-            stats.num_draft_tokens += len(draft)
+            stats.num_draft_tokens += proposed
             stats.num_accepted_tokens += accepted
-            for pos in range(accepted):
-                stats.accepted_per_position[pos] += 1
+            stats.drafts_by_accepted[accepted] += 1
         return rows[:accepted + 1]
 
     # ---- lifecycle -----------------------------------------------------------------------------
