@@ -15,13 +15,14 @@ def ngram_lookup(tokens: np.ndarray, min_n: int, max_n: int, k: int) -> np.ndarr
     total = len(tokens)
     if total <= min_n or k <= 0:
         return tokens[:0]
-    history = tokens[:total - 1].tobytes()  # an occurrence ends before the last token
+    history = tokens.tobytes()  # one copy: the suffixes are slices of it, not copies of their own
     width = tokens.itemsize
+    before_last = (total - 1) * width  # an occurrence ends before the last token
     for n in range(min(max_n, total - 1), min_n - 1, -1):
-        suffix = tokens[total - n:].tobytes()
-        at = history.find(suffix)
+        suffix = history[-n * width:]
+        at = history.find(suffix, 0, before_last)
         while at > 0 and at % width:  # a match across token boundaries is none: look further
-            at = history.find(suffix, at + 1)
+            at = history.find(suffix, at + 1, before_last)
         if at >= 0:
             end = at // width + n  # the token after the occurrence
             return tokens[end:end + k]

@@ -41,3 +41,8 @@ def test_longest_suffix_wins_over_an_earlier_shorter_one():
     tokens = np.array([5, 6, 1, 4, 5, 6, 2, 9, 4, 5, 6], dtype=np.int32)
     assert ngram_lookup(tokens, 2, 3, 2).tolist() == [2, 9]  # [4, 5, 6] at 3..5, not [5, 6] at 0..1
     assert ngram_lookup(tokens, 2, 2, 2).tolist() == [1, 4]
+
+
+def test_the_suffix_itself_is_no_occurrence_but_one_overlapping_it_is():
+    assert ngram_lookup(np.array([5, 1, 2], dtype=np.int32), 2, 2, 3).size == 0
+    assert ngram_lookup(np.array([1, 2, 1, 2, 1], dtype=np.int32), 3, 3, 3).tolist() == [2, 1]  # [1, 2, 1] at 0..2
