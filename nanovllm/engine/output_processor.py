@@ -46,16 +46,17 @@ class OutputProcessor:
                 if reason is not None:
                     return reason
             return None
-        in_flight = getattr(seq, "num_pending_tokens", 0)
-        n_out = seq.num_completion_tokens - in_flight  # before the run
-        known = seq.num_tokens - in_flight
+        known = len(seq.token_ids) - getattr(seq, "num_pending_tokens", 0)  # before the run
+        n_out = known - seq.num_prompt_tokens
         # The tokens up to the first that reaches max_tokens or max_model_len (all, if none does).
         take = max(1, min(len(token_ids), sp.max_tokens - n_out, self.max_model_len - known))
         reason = "length" if n_out + take >= sp.max_tokens or known + take >= self.max_model_len else None
         stops = sp.stop_token_ids
         eos = () if sp.ignore_eos else self.eos_token_ids
-        if stops or eos:
-            for j in range(max(0, sp.min_tokens - n_out), take):  # n_out + j + 1 > min_tokens
+        first_checked = max(0, sp.min_tokens - n_out)  # n_out + j + 1 > min_tokens
+        # Without stop ids, one set operation in C says whether the run holds an eos at all.
+        if stops or (eos and not eos.isdisjoint(token_ids[first_checked:take])):
+            for j in range(first_checked, take):
                 token = token_ids[j]
                 if token in eos:
                     reason, seq.stop_reason, take = "stop", None, j + 1

@@ -39,6 +39,9 @@ class Sequence:
         self.num_preemptions = 0
         # structured_output.manager.GrammarState while a constraint applies (set by the engine).
         self.grammar = None
+        # engine.detokenizer.IncrementalDetokenizer while the sequence needs text as it runs (set
+        # by the output processor).
+        self.detokenizer = None
         # Trailing entries of token_ids sampled on the device but not yet seen by the host.
         self.num_pending_tokens = 0
         # Timestamps for metrics (filled by the engine).
