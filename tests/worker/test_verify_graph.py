@@ -120,3 +120,27 @@ def test_window_layout_full_and_partial_windows():
             lens = views["seq_lens"][:3]
             expected_order = np.argsort(-lens, kind="stable").tolist() + [3] * (padded - 3)
             assert views["decode_order"][:padded].tolist() == expected_order
+
+
+def test_window_layout_orders_equal_contexts_in_batch_order():
+    """decode_order: longest context first, equal ones in batch order (as a stable argsort would)."""
+    block_size = 4
+    params = SamplingParams(temperature=0.0)
+    rng = np.random.default_rng(0)
+    for _ in range(50):
+        lengths = rng.choice([5, 9, 9, 14], int(rng.integers(1, 8))).tolist()
+        seqs = []
+        for i, length in enumerate(lengths):
+            seq = Sequence(list(range(length)), params, seed=i)
+            seq.num_computed_tokens = length - 1
+            seq.block_table = [50 * i + b for b in range(-(-(length + K) // block_size))]
+            seqs.append(seq)
+        batch = ScheduledBatch(seqs, [Q] * len(seqs), num_decodes=0, spec=[[1, 2, 3]] * len(seqs))
+        padded = len(seqs) + 1
+        views = _views(padded, 8)
+        fill_verify_inputs(views, batch, padded, Q, block_size)
+        ref = _window_reference(batch, padded, block_size)
+        assert views["slot_mapping"][:len(ref["slot_mapping"])].tolist() == ref["slot_mapping"]
+        seq_lens = np.asarray(lengths) + K
+        expected = np.argsort(-seq_lens, kind="stable").tolist() + [len(seqs)]
+        assert views["decode_order"][:padded].tolist() == expected
