@@ -21,6 +21,7 @@ import time
 import numpy as np
 import torch
 
+from benchmarks import load_config
 from nanovllm.config import Config
 from nanovllm.engine.llm_engine import LLMEngine
 from nanovllm.layers.sampler import SamplerOutput
@@ -30,12 +31,7 @@ from nanovllm.worker.cuda_graph import batch_size_ladder
 from nanovllm.worker.verify_graph import fill_verify_inputs, verify_step_fits
 
 # bench_frontend.py's tiny Qwen3: its start-up costs nothing, and only prefill steps run it.
-TINY_QWEN3 = {
-    "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "vocab_size": 10000, "hidden_size": 64,
-    "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
-    "head_dim": 32, "max_position_embeddings": 4096, "rms_norm_eps": 1e-6, "rope_theta": 1000000.0,
-    "tie_word_embeddings": True, "torch_dtype": "bfloat16", "eos_token_id": 0,
-}
+TINY_QWEN3 = load_config("tiny-qwen3.json")
 
 
 class StandInDevice:

@@ -34,17 +34,13 @@ import urllib.request
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
+from benchmarks import load_config  # noqa: E402
 from nanovllm.engine.llm_engine import LLMEngine  # noqa: E402
 from nanovllm.layers.sampler import LogprobsLists  # noqa: E402
 
 # A Qwen3 small enough that its CPU start-up and KV cache cost nothing: the stand-in device never
 # runs it. The vocabulary covers the prompts' token ids.
-TINY_QWEN3 = {
-    "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "vocab_size": 10000, "hidden_size": 64,
-    "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
-    "head_dim": 32, "max_position_embeddings": 4096, "rms_norm_eps": 1e-6, "rope_theta": 1000000.0,
-    "tie_word_embeddings": True, "torch_dtype": "bfloat16", "eos_token_id": 0,
-}
+TINY_QWEN3 = load_config("tiny-qwen3.json")
 
 
 class _Sampled:

@@ -17,14 +17,19 @@ def _module():
     return module
 
 
-def test_stand_in_device_paces_the_real_engine(tmp_path):
+def _stand_in_engine(tmp_path, step_s: float):
+    """The real engine over bench_frontend's tiny model and its stand-in device of step_s a step."""
     from nanovllm.config import Config
-    from nanovllm.sampling_params import SamplingParams
     bench = _module()
     (tmp_path / "config.json").write_text(json.dumps(bench.TINY_QWEN3))
     config = Config(str(tmp_path), load_format="dummy", device="cpu", max_num_seqs=4, max_model_len=512,
                     num_kvcache_blocks=16)
-    engine = bench.stand_in_engine(0.01, 0.0)(config)
+    return bench.stand_in_engine(step_s, 0.0)(config)
+
+
+def test_stand_in_device_paces_the_real_engine(tmp_path):
+    from nanovllm.sampling_params import SamplingParams
+    engine = _stand_in_engine(tmp_path, 0.01)
     for i, n in enumerate((3, 5)):
         engine.add_request(f"r{i}", list(range(1, 40)), SamplingParams(max_tokens=n, ignore_eos=True))
     seqs = [s for r in engine.requests.values() for s in r]
@@ -38,13 +43,8 @@ def test_stand_in_device_paces_the_real_engine(tmp_path):
 
 def test_stand_in_device_answers_logprobs_when_asked(tmp_path):
     """A multi-turn client reads the answers' ids from their logprobs, to send them back."""
-    from nanovllm.config import Config
     from nanovllm.sampling_params import SamplingParams
-    bench = _module()
-    (tmp_path / "config.json").write_text(json.dumps(bench.TINY_QWEN3))
-    config = Config(str(tmp_path), load_format="dummy", device="cpu", max_num_seqs=4, max_model_len=512,
-                    num_kvcache_blocks=16)
-    engine = bench.stand_in_engine(0.001, 0.0)(config)
+    engine = _stand_in_engine(tmp_path, 0.001)
     engine.add_request("plain", list(range(1, 20)), SamplingParams(max_tokens=2, ignore_eos=True))
     engine.add_request("asks", list(range(1, 30)), SamplingParams(max_tokens=3, ignore_eos=True, logprobs=0))
     plain, asks = engine.requests["plain"][0], engine.requests["asks"][0]
