@@ -227,7 +227,7 @@ class EngineCore:
         tracked = self._tracked[request_id]
         self.engine.abort_request(request_id)
         for i, seq in enumerate(tracked.seqs):
-            detok = getattr(seq, "detokenizer", None)
+            detok = seq.detokenizer
             if not tracked.done[i] and detok is not None:
                 detok.unread += detok.flush()  # text held back for a stop string is final now
         self._collect([(request_id, tracked)])

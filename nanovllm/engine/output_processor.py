@@ -21,7 +21,7 @@ class OutputProcessor:
     def watch(self, seq: Sequence) -> IncrementalDetokenizer | None:
         """Detokenize seq incrementally, so take_delta(seq) can stream it. Call it before seq's
         first token is appended. None without a tokenizer."""
-        detok = getattr(seq, "detokenizer", None)
+        detok = seq.detokenizer
         if detok is None and self.tokenizer is not None:
             detok = seq.detokenizer = IncrementalDetokenizer(self.tokenizer, seq.prompt_token_ids,
                                                              seq.sampling_params)
@@ -39,14 +39,14 @@ class OutputProcessor:
         streamed) or logprobs to record, a stop is only a token id or a length: the run's are
         found without the per-token bookkeeping."""
         sp = seq.sampling_params
-        if (getattr(seq, "detokenizer", None) is not None or sp.stop_list or self.stream_all
+        if (seq.detokenizer is not None or sp.stop_list or self.stream_all
                 or (logprobs is not None and seq.logprobs is not None)):
             for j, token in enumerate(token_ids):
                 reason = self.append(seq, token, None if logprobs is None else logprobs[j])
                 if reason is not None:
                     return reason
             return None
-        known = len(seq.token_ids) - getattr(seq, "num_pending_tokens", 0)  # before the run
+        known = len(seq.token_ids) - seq.num_pending_tokens  # before the run
         n_out = known - seq.num_prompt_tokens
         # The tokens up to the first that reaches max_tokens or max_model_len (all, if none does).
         take = max(1, min(len(token_ids), sp.max_tokens - n_out, self.max_model_len - known))
@@ -73,12 +73,12 @@ class OutputProcessor:
         reason ("stop" or "length") or None. logprobs: this row's `LogprobsLists.row(i)` from the
         sampler, when the batch asked for any."""
         sp = seq.sampling_params
-        detok = getattr(seq, "detokenizer", None)
+        detok = seq.detokenizer
         if detok is None and (sp.stop_list or self.stream_all):
             detok = self.watch(seq)
         if logprobs is not None and seq.logprobs is not None:
             seq.logprobs.append(logprobs_entry(logprobs, sp.logprobs))
-        in_flight = getattr(seq, "num_pending_tokens", 0)
+        in_flight = seq.num_pending_tokens
         n_out = seq.num_completion_tokens - in_flight
         reason = None
         if n_out > sp.min_tokens:  # the sampler keeps eos and stop ids out before min_tokens
@@ -100,21 +100,21 @@ class OutputProcessor:
     def take_delta(self, seq: Sequence) -> str:
         """Text of seq not yet taken, safe to stream: never text a stop string will cut. Once seq
         is finished, the last call returns the rest of its final text."""
-        detok = getattr(seq, "detokenizer", None)
+        detok = seq.detokenizer
         if detok is None:
             return ""
         delta, detok.unread = detok.unread, ""
         return delta
 
     def text(self, seq: Sequence) -> str:
-        detok = getattr(seq, "detokenizer", None)
+        detok = seq.detokenizer
         if detok is not None:
             return detok.text
         if self.tokenizer is None:
             return ""
         sp = seq.sampling_params
         ids = seq.completion_token_ids
-        in_flight = getattr(seq, "num_pending_tokens", 0)
+        in_flight = seq.num_pending_tokens
         if in_flight:
             ids = ids[:-in_flight]
         if (ids and seq.finish_reason == "stop" and not isinstance(seq.stop_reason, str)

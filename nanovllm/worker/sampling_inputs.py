@@ -192,7 +192,7 @@ _mirrors: "weakref.WeakKeyDictionary[Sequence, _Mirror]" = weakref.WeakKeyDictio
 
 def settled_tokens(seq: Sequence) -> np.ndarray:
     """seq.token_ids without its pending tokens, as int32 numpy (a view: read it before the next step)."""
-    n = len(seq.token_ids) - getattr(seq, "num_pending_tokens", 0)
+    n = len(seq.token_ids) - seq.num_pending_tokens
     mirror = _mirrors.get(seq)
     if mirror is None:
         mirror = _mirrors[seq] = _Mirror()
