@@ -40,6 +40,9 @@ class AttentionMetadata:
     decode_gather: tuple[torch.Tensor, torch.Tensor] | None = None
     # Query tokens of each decode row, the newest last (causal among them).
     decode_query_len: int = 1
+    # The Triton backend's kernel launches for this step, recorded by the first layer and replayed
+    # by the others with their own tensors (kernels/replay.py): kind -> (layout key, launches).
+    launches: dict | None = None
 
     @property
     def num_decode_tokens(self) -> int:

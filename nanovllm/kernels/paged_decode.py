@@ -35,6 +35,7 @@ import triton.language as tl
 
 from nanovllm.kernels.fp8 import FP8_DTYPE
 from nanovllm.kernels.pdl import PDL_LAUNCH, pdl_prologue
+from nanovllm.kernels.replay import launch
 
 _LOG2E = 1.4426950408889634
 _NEG_INIT = tl.constexpr(-1.0e30)  # finite running-max init: exp2(-inf - (-inf)) would give NaN
@@ -313,6 +314,22 @@ def alloc_decode_workspace(max_batch: int, num_q_heads: int, head_dim: int, num_
     return part_o, part_lse
 
 
+# What a replay of the split kernel takes from (q, k_cache, v_cache, out, kv_scales) (kernels/replay.py).
+_SPLIT_SWAPPED = ("q_ptr", "k_cache_ptr", "v_cache_ptr", "out_ptr", "k_scale_ptr", "v_scale_ptr")
+
+
+def _swap_plain(q, k_cache, v_cache, out, kv_scales):
+    return q, k_cache, v_cache, out, k_cache, k_cache
+
+
+def _swap_fp8(q, k_cache, v_cache, out, kv_scales):
+    return (q, k_cache, v_cache, out, *kv_scales)
+
+
+def _swap_out(q, k_cache, v_cache, out, kv_scales):
+    return (out,)
+
+
 def paged_decode_attention(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -328,6 +345,7 @@ def paged_decode_attention(
     kv_scales: tuple[torch.Tensor, torch.Tensor] | None = None,
     _config: tuple | None = None,  # `_decode_config`'s tuple, for benchmarks
     query_len: int = 1,
+    record: list | None = None,
 ) -> torch.Tensor:
     """Attention of ``query_len`` query tokens per sequence over its ``seq_lens[b]`` cached keys,
     the queries being the sequence's last ``query_len`` positions (causal among them).
@@ -339,7 +357,8 @@ def paged_decode_attention(
     at least B x query_len x Hq x num_splits entries.  ``order``: optional [B] int32 permutation
     of the sequences, longest context first (any permutation gives the same result).  ``kv_scales``:
     for float8_e4m3fn caches, (k_scale, v_scale) [Hkv] fp32 (the cache holds k / k_scale).  Returns
-    ``out`` ([B * query_len, Hq, D]).
+    ``out`` ([B * query_len, Hq, D]).  ``record``: a list to append the launches to, as Relaunches
+    taking (q, k_cache, v_cache, out, kv_scales) (kernels/replay.py; None entries: not replayable).
     """
     num_rows, num_q_heads, head_dim = q.shape
     assert num_rows % query_len == 0, "q holds query_len rows per sequence"
@@ -350,6 +369,7 @@ def paged_decode_attention(
     group = num_q_heads // num_kv_heads
     if q.stride(-1) != 1:
         q = q.contiguous()
+        record = None  # a replay would be handed the original q
     assert k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1
     assert block_tables.stride(-1) == 1
     if out is None:
@@ -376,7 +396,7 @@ def paged_decode_attention(
         part_o = workspace[0].view(-1)[: n * head_dim]
         part_lse = workspace[1].view(-1)[:n]
     dot_prec = "ieee" if q.dtype == torch.float32 else "tf32"
-    _decode_split_kernel[(num_kv_heads * head_blocks, batch, num_splits)](
+    launch(_decode_split_kernel, (num_kv_heads * head_blocks, batch, num_splits), (
         q, k_cache, v_cache, block_tables, seq_lens, seq_lens if order is None else order,
         out, part_o, part_lse, *(kv_scales if kv_fp8 else (k_cache, k_cache)),  # placeholders: fixed, aligned
         scale * _LOG2E,
@@ -385,18 +405,20 @@ def paged_decode_attention(
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         block_tables.stride(0),
         out.stride(0), out.stride(1),
-        num_q_heads, num_splits,
+        num_q_heads, num_splits), dict(
         GROUP=group, QUERY_LEN=query_len, HEAD_BLOCKS=head_blocks, BLOCK_G=block_g,
         HEAD_DIM=head_dim, BLOCK_D=block_d,
         PAGE_SIZE=page_size, BLOCK_N=block_n,
         DIRECT_OUT=direct, HAS_ORDER=order is not None, DOT_PREC=dot_prec, PREFETCH_BLOCKS=prefetch_blocks,
         KV_FP8=kv_fp8,
-        num_warps=num_warps, num_stages=num_stages, **PDL_LAUNCH)
+        num_warps=num_warps, num_stages=num_stages, **PDL_LAUNCH),
+        record, _SPLIT_SWAPPED, _swap_fp8 if kv_fp8 else _swap_plain)
     if not direct:
         merge_tile, merge_warps = _merge_variant(num_splits, block_d)
-        _decode_merge_kernel[(num_rows, num_q_heads)](
+        launch(_decode_merge_kernel, (num_rows, num_q_heads), (
             out, part_o, part_lse,
             out.stride(0), out.stride(1),
-            num_q_heads, num_splits,
-            BLOCK_S=merge_tile, HEAD_DIM=head_dim, BLOCK_D=block_d, num_warps=merge_warps, **PDL_LAUNCH)
+            num_q_heads, num_splits), dict(
+            BLOCK_S=merge_tile, HEAD_DIM=head_dim, BLOCK_D=block_d, num_warps=merge_warps, **PDL_LAUNCH),
+            record, ("out_ptr",), _swap_out)
     return out

@@ -30,6 +30,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 from nanovllm.kernels.gemm import tma_compatible
 from nanovllm.kernels.paged_decode import check_cache_dtype, fold_scores
 from nanovllm.kernels.pdl import PDL_LAUNCH, pdl_prologue
+from nanovllm.kernels.replay import launch
 
 _LOG2E = 1.4426950408889634
 _NEG_INIT = tl.constexpr(-1.0e30)  # finite running-max init: keeps fully-masked rows free of NaN
@@ -258,6 +259,29 @@ def _desc_applies(k_cache: torch.Tensor, v_cache: torch.Tensor, page_size: int, 
             and all(tma_compatible(c.view(c.shape[0] * page_size, -1)) for c in (k_cache, v_cache)))
 
 
+def _kv_descriptors(k_cache: torch.Tensor, v_cache: torch.Tensor, block_n: int):
+    """TMA descriptors of the caches as [blocks * block_size, heads * head_dim] matrices."""
+    rows, head_dim = k_cache.shape[0] * k_cache.shape[1], k_cache.shape[-1]
+    return (TensorDescriptor.from_tensor(k_cache.view(rows, -1), [block_n, head_dim]),
+            TensorDescriptor.from_tensor(v_cache.view(rows, -1), [block_n, head_dim]))
+
+
+# What a replay of the kernel takes from (q, k_cache, v_cache, out, kv_scales) (kernels/replay.py).
+_SWAPPED = ("q_ptr", "k_cache_ptr", "v_cache_ptr", "out_ptr", "k_scale_ptr", "v_scale_ptr", "k_desc", "v_desc")
+
+
+class _Swap:
+    __slots__ = ("kv_desc", "kv_fp8", "block_n")
+
+    def __init__(self, kv_desc: bool, kv_fp8: bool, block_n: int):
+        self.kv_desc, self.kv_fp8, self.block_n = kv_desc, kv_fp8, block_n
+
+    def __call__(self, q, k_cache, v_cache, out, kv_scales):
+        scales = kv_scales if self.kv_fp8 else (k_cache, k_cache)
+        descs = _kv_descriptors(k_cache, v_cache, self.block_n) if self.kv_desc else (k_cache, k_cache)
+        return (q, k_cache, v_cache, out, *scales, *descs)
+
+
 def paged_prefill_attention(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -271,6 +295,7 @@ def paged_prefill_attention(
     kv_scales: tuple[torch.Tensor, torch.Tensor] | None = None,
     _config: tuple | None = None,  # (BLOCK_M, BLOCK_N, num_warps, num_stages), for benchmarks
     _kv_desc: bool | None = None,  # K/V through TMA descriptors (None: where `_desc_applies`), for benchmarks
+    record: list | None = None,
 ) -> torch.Tensor:
     """Causal (with prefix offset) attention of packed queries over the paged cache.
 
@@ -278,7 +303,8 @@ def paged_prefill_attention(
     cu_seqlens_q: [B+1] int32; seq_lens: [B] int32 (>= each sequence's q_len);
     block_tables: [B, max_blocks] int32; max_query_len: host int >= every q_len.
     kv_scales: for float8_e4m3fn caches, (k_scale, v_scale) [Hkv] fp32 (the cache holds k / k_scale).
-    Returns ``out`` ([total_q, Hq, D], q's dtype).
+    Returns ``out`` ([total_q, Hq, D], q's dtype).  ``record``: a list to append the launch to, as a
+    Relaunch taking (q, k_cache, v_cache, out, kv_scales) (kernels/replay.py; None: not replayable).
     """
     total_q, num_q_heads, head_dim = q.shape
     _, page_size, num_kv_heads, _ = k_cache.shape
@@ -289,6 +315,7 @@ def paged_prefill_attention(
     assert cu_seqlens_q.shape[0] == batch + 1
     if q.stride(-1) != 1:
         q = q.contiguous()
+        record = None  # a replay would be handed the original q
     assert k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1
     assert block_tables.stride(-1) == 1
     if out is None:
@@ -306,12 +333,10 @@ def paged_prefill_attention(
     if kv_desc is None:
         kv_desc = desc_ok and block_m >= MIN_DESC_BLOCK_M and page_size % block_n == 0
     if kv_desc:
-        rows = k_cache.shape[0] * page_size
-        k_desc = TensorDescriptor.from_tensor(k_cache.view(rows, -1), [block_n, head_dim])
-        v_desc = TensorDescriptor.from_tensor(v_cache.view(rows, -1), [block_n, head_dim])
+        k_desc, v_desc = _kv_descriptors(k_cache, v_cache, block_n)
     else:
         k_desc = v_desc = k_cache  # KV_DESC=False never reads them
-    _prefill_kernel[grid](
+    launch(_prefill_kernel, grid, (
         q, k_cache, v_cache, out,
         cu_seqlens_q, seq_lens, block_tables, *(kv_scales if kv_fp8 else (k_cache, k_cache)),  # placeholders: aligned
         scale * _LOG2E,
@@ -321,10 +346,11 @@ def paged_prefill_attention(
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         out.stride(0), out.stride(1),
         block_tables.stride(0),
-        k_desc, v_desc,
+        k_desc, v_desc), dict(
         GROUP=group, BLOCK_Q=block_q, BLOCK_M=block_m, BLOCK_N=block_n,
         HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim),
         PAGE_SIZE=page_size,
         DOT_PREC="ieee" if q.dtype == torch.float32 else "tf32", KV_DESC=kv_desc, KV_FP8=kv_fp8,
-        num_warps=num_warps, num_stages=num_stages, **PDL_LAUNCH)
+        num_warps=num_warps, num_stages=num_stages, **PDL_LAUNCH),
+        record, _SWAPPED, _Swap(kv_desc, kv_fp8, block_n))
     return out
