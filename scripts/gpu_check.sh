@@ -2,7 +2,8 @@
 # Everything that needs the GPU, in one call: GPU tests, kernel checks, the benchmarks.
 #   bash scripts/gpu_check.sh [OUTDIR]      (on the device machine: OUTDIR defaults to $OUT)
 # STAGES picks what runs (default "tests kernels bench single bench8b"):
-#   tests     the GPU test suite (tests/kernels tests/layers tests/gpu)
+#   tests     the GPU test suite (tests/kernels tests/layers tests/gpu): over 10 minutes, more than one device
+#             call may run; testskernels (tests/kernels tests/layers) and testsgpu (tests/gpu) are its halves
 #   kernels   full-size paged-attention kernel checks and timings (scripts/gpu_kernels.py attention, KERNEL_ARGS)
 #   bench     python bench.py (nano-vllm's benchmark, Qwen3-0.6B, random weights) with its roofline
 #   single    python bench.py --single (one request, 512 new tokens)
@@ -83,8 +84,8 @@ multiturn() {
   python3 - "$OUTDIR" <<'EOF'
 import json, os, sys
 from prometheus_client.parser import text_string_to_metric_families
-def server_side(name):  # from /metrics, means in ms: TTFT as the server saw it (arrival to the engine's first
-    path = os.path.join(sys.argv[1], f"multi_turn_metrics_{name}.txt")  # token), its queue and prefill parts, a step
+def server_side(name):  # from /metrics, means in ms: TTFT as the server saw it (arrival to the first token's
+    path = os.path.join(sys.argv[1], f"multi_turn_metrics_{name}.txt")  # receipt), its queue and prefill parts, a step
     values = {}  # sample name (counters without _total) -> the sum over its label sets
     for family in text_string_to_metric_families(open(path).read() if os.path.exists(path) else ""):
         for sample in family.samples:
@@ -105,13 +106,15 @@ for name in ("off", "baseline", "token"):
         rows.append((name, json.load(open(path))))
 off = dict(rows).get("off")
 print(f"{'arm':<15}{'hit rate':>9}{'ideal':>8}{'TTFT p50':>9}{'p99':>8}{'vs off':>8}{'mean':>7}"
-      f"{'server':>8}{'queue':>7}{'prefill':>8}{'step':>6}{'w/ prompt':>10}{'decode':>7}{'client CPU':>11}"
-      "   (ms; server-side means from /metrics; steps: all, those with prompt tokens, decode-only)")
+      f"{'server':>8}{'queue':>7}{'prefill':>8}{'hop':>6}{'step':>6}{'w/ prompt':>10}{'decode':>7}{'client CPU':>11}"
+      "   (ms; server-side means from /metrics, hop: the first token's from the engine to the server process;"
+      " steps: all, those with prompt tokens, decode-only)")
 for name, s in rows:
     ratio = off["ttft_ms"]["p50"] / s["ttft_ms"]["p50"] if off else float("nan")
     ttft, queue, prefill, step, prompt_step, decode_step = server_side(name)
     print(f"{name:<15}{s['hit_rate']:>9.2%}{s['ideal_hit_rate']:>8.2%}{s['ttft_ms']['p50']:>9.1f}"
           f"{s['ttft_ms']['p99']:>8.1f}{ratio:>7.2f}x{s['ttft_ms']['mean']:>7.1f}{ttft:>8.1f}{queue:>7.1f}{prefill:>8.1f}"
+          f"{ttft - queue - prefill:>6.1f}"
           f"{step:>6.2f}{prompt_step:>10.2f}{decode_step:>7.2f}{s.get('client_cpu_share', float('nan')):>10.0%}")
 EOF
 }
@@ -134,9 +137,11 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__)"
 for stage in $STAGES; do
   case $stage in
-    tests)     # xgrammar (structured outputs) and the server's packages come from the carried .whl
+    tests|testskernels|testsgpu)  # xgrammar (structured outputs) and the server's packages come from the carried .whl
       server_packages || status=1
-      run tests env PYTHONPATH=/tmp/site:$PWD python3 -m pytest tests/kernels tests/layers tests/gpu -q -p no:cacheprovider --durations=8 ;;
+      case $stage in tests) dirs="tests/kernels tests/layers tests/gpu" ;; testskernels) dirs="tests/kernels tests/layers" ;;
+                     testsgpu) dirs="tests/gpu" ;; esac
+      run "$stage" env PYTHONPATH=/tmp/site:$PWD python3 -m pytest $dirs -q -p no:cacheprovider --durations=8 ;;
     kernels)   run kernels python3 scripts/gpu_kernels.py attention ${KERNEL_ARGS:-} ;;
     bench)     run bench python3 bench.py --json "$OUTDIR/bench_qwen3_0.6b.json" ;;
     single)    run single python3 bench.py --single --json "$OUTDIR/bench_single.json" ;;

@@ -62,10 +62,11 @@ class RequestHandle:
 class AsyncLLMEngine:
     def __init__(self, config: Config, max_waiting: int = 1024, listener=None, engine_factory=None,
                  separate_process: bool = True, options: CoreOptions | None = None):
-        """listener: optional object with `record(events)` (server metrics), called off the event
-        loop with each dispatch's events for metrics, in order: the core's "stats", "tokens",
-        "ttft", "token_gaps" and "finished" events (engine_core.py), whatever kinds it adds, and
-        ("dead", reason) once the core stops serving unasked.
+        """listener: optional object with `record(events, received)` (server metrics), called off the
+        event loop with each dispatch's events for metrics, in order: the core's "stats", "tokens",
+        "first_tokens", "token_gaps" and "finished" events (engine_core.py), whatever kinds it adds,
+        and ("dead", reason) once the core stops serving unasked; received: when this process got
+        them (`time.perf_counter()`), the end of a TTFT and of a request's latency as vLLM times them.
         engine_factory: builds the LLMEngine from the config (default LLMEngine; picklable when
         separate_process). separate_process=False runs the core on a thread of this process.
         options: the core's index among a server's cores, its CPU threads, KV events (CoreOptions)."""
@@ -235,9 +236,10 @@ class AsyncLLMEngine:
         self._commands.put(("abort", request_id))
 
     # ---- events from the core (engine thread, or the reader thread) ------------------------
-    def _dispatch(self, events: list):
+    def _dispatch(self, events: list, received: float | None = None):
         """Apply one pass's events: statistics and metrics at once, deliveries to the event loops
-        after them (one wake-up per loop), so a delivered acceptance is already counted."""
+        after them (one wake-up per loop), so a delivered acceptance is already counted. received:
+        when the reader got them (default: now)."""
         by_loop: dict = {}
         for_listener = []
         for event in events:
@@ -276,7 +278,7 @@ class AsyncLLMEngine:
             else:  # for metrics: "tokens", "ttft", "token_gaps", "finished", ...
                 for_listener.append(event)
         if for_listener and self.listener is not None:
-            self.listener.record(for_listener)
+            self.listener.record(for_listener, time.perf_counter() if received is None else received)
         for loop, items in by_loop.items():
             try:
                 loop.call_soon_threadsafe(_deliver, items)
@@ -300,12 +302,13 @@ class AsyncLLMEngine:
                 events = conn.recv()
             except (EOFError, OSError):
                 break
+            received = time.perf_counter()
             try:
                 while conn.poll():
                     events += conn.recv()
             except (EOFError, OSError):  # what came before the end is still delivered
                 closed = True
-            self._dispatch(events)
+            self._dispatch(events, received)
         if not self._ready.is_set():
             self._startup_error = RuntimeError("the engine process exited while loading the model")
             self._ready.set()

@@ -12,7 +12,9 @@ hands out, once per pass of its loop, one list of events (``emit``):
     ("aborted", request_id)                                   an abort was carried out
     ("tokens", prompt_tokens, generated_tokens)               for metrics: prompts whose first token
                                                               came, and tokens generated, this pass
-    ("ttft", [seconds, ...])                                  arrival to first token, per sequence
+    ("first_tokens", [arrival_time, ...])                     for metrics: the sequences whose first token
+                                                              this pass emits (the front end times TTFT
+                                                              at their receipt, as vLLM does)
     ("token_gaps", [(seconds, n), ...])                       n tokens each came `seconds` after the
                                                               previous token of their sequence
     ("finished", FinishedSequence)                            a completion ended (metrics)
@@ -292,7 +294,7 @@ class EngineCore:
         now = time.perf_counter()
         gaps: dict[float, int] = {}   # time of a sequence's previous token -> sequences with one new
         spread = []                   # (seconds, n): n tokens that came together, an equal share each
-        ttfts = []
+        first_arrivals = []           # arrival times of the sequences whose first token this is
         prefilled = generated = 0
         for request_id, t in (list(self._tracked.items()) if requests is None else requests):
             opens = not t.prefilled
@@ -310,7 +312,7 @@ class EngineCore:
                     generated += n
                     if not sent[i]:
                         if seq.first_token_time is not None:
-                            ttfts.append(seq.first_token_time - seq.arrival_time)
+                            first_arrivals.append(seq.arrival_time)
                         if not t.prefilled:
                             t.prefilled = True
                             prefilled += start
@@ -340,8 +342,8 @@ class EngineCore:
         events[ahead:ahead] = opening
         if prefilled or generated:
             events.append(("tokens", prefilled, generated))
-        if ttfts:
-            events.append(("ttft", ttfts))
+        if first_arrivals:
+            events.append(("first_tokens", first_arrivals))
         if gaps or spread:
             events.append(("token_gaps", [(now - last, n) for last, n in gaps.items()] + spread))
 

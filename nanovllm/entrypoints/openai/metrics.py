@@ -5,7 +5,9 @@ Dashboards, autoscalers and gateways written for vLLM read these unchanged. Ever
 vLLM labels them. Two sources feed them:
 
 - the events an engine core reports (`EngineMetrics.record`, AsyncLLMEngine's listener, called off
-  the event loop): token counters, per-request histograms, finish reasons. prometheus-client's
+  the event loop): token counters, per-request histograms, finish reasons. TTFT and the end-to-end
+  latency end when this process receives the first token and the last (vLLM's front-end timing:
+  they include the hop from the engine's process), the other timings are the engine's. prometheus-client's
   metrics are thread-safe; so is `WeightedHistogram`, which takes the inter-token gaps a pass
   reports as (seconds, count) pairs, a few updates per pass however many streams decode;
 - the core's latest published snapshot (`EngineStats`): gauges, and counters the engine keeps
@@ -174,9 +176,13 @@ class EngineMetrics:
             setattr(self, name, getattr(server, name).labels(*labels))
         self.token_gaps = WeightedHistogram(TOKEN_GAP_BUCKETS)
         self._handlers = {"stats": self._on_stats, "tokens": self._on_tokens, "token_gaps": self._on_token_gaps,
-                          "ttft": self._on_ttft, "finished": self._on_finished, "dead": self._on_dead}
+                          "first_tokens": self._on_first_tokens, "finished": self._on_finished,
+                          "dead": self._on_dead}
+        self._received = 0.0
 
-    def record(self, events: list):
+    def record(self, events: list, received: float):
+        """events: a dispatch's metric events; received: when this process got them (perf_counter)."""
+        self._received = received  # one caller: the core's reader (or its thread, in process)
         handlers = self._handlers
         for event in events:
             handler = handlers.get(event[0])
@@ -201,9 +207,10 @@ class EngineMetrics:
         for seconds, count in gaps:
             self.token_gaps.observe(seconds, count)
 
-    def _on_ttft(self, seconds: list):
-        for s in seconds:
-            self.ttft.observe(s)
+    def _on_first_tokens(self, arrivals: list):
+        received = self._received
+        for arrival in arrivals:
+            self.ttft.observe(received - arrival)
 
     def _on_finished(self, seq):
         """One completion (a request with n > 1 has n) ended: an `engine_core.FinishedSequence`."""
@@ -214,7 +221,7 @@ class EngineMetrics:
         counter.inc()
         if reason == "abort":
             return  # cancelled or cut short: its timings say nothing about the server
-        self.e2e.observe(seq.time - seq.arrival_time)
+        self.e2e.observe(self._received - seq.arrival_time)
         self.request_prompt_tokens.observe(seq.num_prompt_tokens)
         self.request_generation_tokens.observe(seq.num_tokens)
         scheduled, first = seq.first_scheduled_time, seq.first_token_time
