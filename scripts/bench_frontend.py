@@ -10,6 +10,14 @@ tokens, waiting for them if the device is not done).
 
   python scripts/bench_frontend.py --concurrency 256 --num-prompts 512 --step-ms 5
 
+`--multi-turn`: the multi-turn chat workload instead (`bench_serving.py --multi-turn`, `--turns`,
+`--system-len`; `STAGES=multiturn bash scripts/gpu_check.sh` runs it on the GPU): a prompt step costs
+the stand-in device only its uncached tokens, so the client's TTFT against the server's (TTFT, queue,
+prefill and the hop between them, printed after the run) shows the host's part of a TTFT.
+
+  python scripts/bench_frontend.py --multi-turn --num-prompts 64 --input-len 64:256 --output-len 64:256 \
+      --step-ms 2.5 --processes 2
+
 `--data-parallel-size N`: N engine cores (each with a stand-in device of its own) behind the one API
 process, as `nanovllm serve --data-parallel-size N` runs them. After the run the script prints the
 CPU time each process took over the timed run, as a share of one CPU core: an API process near
@@ -97,17 +105,19 @@ def serve(args):
     from nanovllm.config import Config
     from nanovllm.engine.data_parallel import DataParallelEngine
     from nanovllm.entrypoints.openai.api_server import build_app
+    from nanovllm.entrypoints.openai.http_server import guarded_h11
     from nanovllm.entrypoints.openai.metrics import ServerMetrics
 
     config = Config(args.model_dir, load_format="dummy", device="cpu", max_num_seqs=args.max_num_seqs,
-                    max_model_len=4096, num_kvcache_blocks=args.max_num_seqs * 8 + 64)
+                    max_model_len=args.max_model_len, num_kvcache_blocks=args.max_num_seqs * 8 + 64)
     metrics = ServerMetrics("stand-in", config.max_model_len)
     dp = args.data_parallel_size
     engine = DataParallelEngine(config, dp, listeners=[metrics.engine_listener(i) for i in range(dp)],
                                 engine_factory=stand_in_engine(args.step_ms / 1e3, args.prefill_us / 1e6),
                                 uses_cpu_cores=False)
     engine.start()
-    uvicorn.run(build_app(engine, ["stand-in"], metrics), host="127.0.0.1", port=args.port, log_level="warning")
+    uvicorn.run(build_app(engine, ["stand-in"], metrics), host="127.0.0.1", port=args.port, log_level="warning",
+                http=guarded_h11(10.0))  # the HTTP protocol of `nanovllm serve`
 
 
 def _cpu_seconds(pid: int) -> dict[int, tuple[str, float]]:
@@ -155,20 +165,27 @@ def main():
     p.add_argument("--input-len", default="100:1024")
     p.add_argument("--output-len", default="100:1024")
     p.add_argument("--processes", type=int, default=1, help="client processes")
+    p.add_argument("--multi-turn", action="store_true", help="chat conversations (bench_serving.py --multi-turn)")
+    p.add_argument("--turns", default="4:8", help="with --multi-turn: turns per conversation")
+    p.add_argument("--system-len", type=int, default=1000, help="with --multi-turn: the shared system prompt's tokens")
+    p.add_argument("--max-model-len", type=int, default=None, help="default 4096, 8192 with --multi-turn")
     p.add_argument("--port", type=int, default=8017)
     p.add_argument("--json-out", default=None)
     p.add_argument("--serve", dest="model_dir", default=None, help=argparse.SUPPRESS)
     args = p.parse_args()
+    if args.max_model_len is None:
+        args.max_model_len = 8192 if args.multi_turn else 4096
     if args.model_dir is not None:
         return serve(args)
 
     with tempfile.TemporaryDirectory() as model_dir:
         with open(os.path.join(model_dir, "config.json"), "w") as f:
-            json.dump(TINY_QWEN3, f)
+            json.dump({**TINY_QWEN3, "max_position_embeddings": args.max_model_len}, f)
         server = subprocess.Popen([sys.executable, os.path.abspath(__file__), "--serve", model_dir,
                                    "--port", str(args.port), "--max-num-seqs", str(args.max_num_seqs),
                                    "--step-ms", str(args.step_ms), "--prefill-us", str(args.prefill_us),
-                                   "--data-parallel-size", str(args.data_parallel_size)])
+                                   "--data-parallel-size", str(args.data_parallel_size),
+                                   "--max-model-len", str(args.max_model_len)])
         base = f"http://127.0.0.1:{args.port}"
         try:
             for _ in range(120):
@@ -184,6 +201,8 @@ def main():
                       "--vocab-size", "10000", "--num-prompts", str(args.num_prompts),
                       "--concurrency", str(args.concurrency), "--input-len", args.input_len,
                       "--output-len", args.output_len, "--processes", str(args.processes)]
+            if args.multi_turn:
+                client += ["--multi-turn", "--turns", args.turns, "--system-len", str(args.system_len)]
             if args.json_out:
                 client += ["--json-out", args.json_out]
             before, start, clients = _cpu_seconds(server.pid), time.perf_counter(), _reaped_children_cpu()
@@ -195,11 +214,21 @@ def main():
             used = _reaped_children_cpu() - clients
             print(f"CPU of the client ({args.processes} processes): {used:.1f} s = {used / wall:.0%} of a core; "
                   f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs")
+            totals = {}  # sample name -> its sum over the engine cores
             for line in _get(base + "/metrics").splitlines():
                 if line.startswith("nanovllm:engine_") or "_seconds_sum" in line:
                     engine = re.search(r'engine="([^"]*)"', line)
                     print(line.split("{")[0] + (f"[engine {engine.group(1)}]" if engine else ""),
                           line.rsplit(" ", 1)[1])
+                if line.startswith("vllm:") and "_seconds_" in line and "_bucket" not in line:
+                    name = line.split("{")[0].split(" ")[0]
+                    totals[name] = totals.get(name, 0.0) + float(line.rsplit(" ", 1)[1])
+            means = {name: 1e3 * totals.get(f"vllm:{name}_seconds_sum", 0.0)
+                     / max(totals.get(f"vllm:{name}_seconds_count", 0), 1)
+                     for name in ("time_to_first_token", "request_queue_time", "request_prefill_time")}
+            ttft, queue, prefill = means.values()  # the warm-up request included
+            print(f"server-side means: TTFT {ttft:.2f} ms = queue {queue:.2f} + prefill {prefill:.2f} "
+                  f"+ the hop from the engine's process {ttft - queue - prefill:.2f}")
         finally:
             server.terminate()
             server.wait(30)

@@ -10,7 +10,7 @@ grep -qx '/.whl/' .git/info/exclude 2>/dev/null || echo '/.whl/' >> .git/info/ex
 python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
   --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
   -d .whl fastapi starlette pydantic pydantic-core annotated-types annotated-doc typing-inspection \
-  typing-extensions opentelemetry-api importlib-metadata zipp anyio idna sniffio uvicorn click h11 gguf \
+  typing-extensions opentelemetry-api importlib-metadata zipp anyio idna sniffio uvicorn click h11 uvloop gguf \
   prometheus-client \
   xgrammar==0.2.9 apache-tvm-ffi
 ls .whl
