@@ -8,6 +8,7 @@
     python bench.py --structured host     # only the host's grammar work per step, 1..--num-seqs rows (no model)
     python bench.py --config benchmarks/configs/qwen3-8b.json --quantization fp8   # a Qwen3-8B-FP8 user's case
     python bench.py --kv-cache-dtype fp8  # the KV cache in float8_e4m3fn
+    python bench.py --speculative-config '{"method": "ngram", "num_speculative_tokens": 3}'   # speculation's cost
     python bench.py --config benchmarks/configs/qwen3-30b-a3b.json   # a mixture of experts: the roofline
                                           # reads the weights of the experts each step routed to
 
@@ -178,6 +179,10 @@ def main():
                     help="fp8: block-FP8 weights (an FP8 checkpoint's format; random or plain weights are quantized "
                          "to it at load)")
     ap.add_argument("--kv-cache-dtype", default="auto", help="auto (the model dtype) or fp8 (float8_e4m3fn)")
+    ap.add_argument("--speculative-config", metavar="JSON", type=json.loads, default=None,
+                    help='LLM(speculative_config=...), e.g. \'{"method": "ngram", "num_speculative_tokens": 3}\': '
+                         "what speculation costs a workload whose random prompts give it nothing to propose "
+                         "(steps above its disable_by_batch_size do not speculate)")
     ap.add_argument("--top-p", type=float, default=1.0,
                     help="sampling filter to price (default: off; with --single the request then samples at 0.6)")
     ap.add_argument("--top-k", type=int, default=-1)
@@ -235,7 +240,8 @@ def main():
     memory = {} if args.gpu_memory_utilization is None else {"gpu_memory_utilization": args.gpu_memory_utilization}
     llm = LLM(path, enforce_eager=args.enforce_eager, max_model_len=args.max_model_len, load_format=load_format,
               device=args.device, dtype=args.dtype, tensor_parallel_size=args.tensor_parallel_size,
-              quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype, **memory)
+              quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype,
+              speculative_config=args.speculative_config, **memory)
     device = llm.config.device
     quant = llm.config.quant_config.name if llm.config.quant_config is not None else None
     print(f"num_kvcache_blocks={llm.config.num_kvcache_blocks} block_size={llm.config.kvcache_block_size} "
@@ -329,7 +335,7 @@ def main():
         "measured_fp8_matmul_TFLOPs": fp8_flops / 1e12,
         "ideal_time_s": roof["ideal_time_s"], "roofline_tok_s": ideal_tput,
         "fraction_of_roofline": throughput / ideal_tput, "enforce_eager": args.enforce_eager,
-        "tensor_parallel_size": args.tensor_parallel_size,
+        "tensor_parallel_size": args.tensor_parallel_size, "speculative_config": args.speculative_config,
         "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         "breakdown": step_breakdown(steps, times, start + elapsed, roof["step_ideal_s"],
                                     None if routed is None else [r / costs["sparse_layers"] for r in routed]),

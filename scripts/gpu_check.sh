@@ -32,6 +32,8 @@
 #   benchmoe / singlemoe / profilemoe  bench.py on Qwen3-30B-A3B (throughput, one request, --profile)
 #   spec      speculative decoding: its GPU tests and the multi-query decode kernel's, then Qwen3-8B with a Qwen3-0.6B
 #             draft (random weights) forced to agree for k = 1..5 and forced wrong (benchmarks/speculative.py forced)
+#   benchspec python bench.py without and with n-gram speculation configured (its random prompts give the n-gram
+#             nothing to find, and at its batch sizes speculation turns itself off): what the configuration costs
 #   specngram n-gram speculation on the embedded GGUF, one request copying its prompt, and the batch-size sweep of
 #             disable_by_batch_size: GGUF=path/to/the.gguf (carried in two parts, ../shared/README.md), its gguf
 #             wheel installed into /tmp/site
@@ -173,6 +175,10 @@ for stage in $STAGES; do
         -q -p no:cacheprovider --durations=5
       run spec_forced python3 -m benchmarks.speculative forced --max-tokens 256 --repeat 2 \
         --json "$OUTDIR/spec_forced_qwen3_8b.json" ;;
+    benchspec)
+      run bench_plain python3 bench.py --json "$OUTDIR/bench_qwen3_0.6b.json"
+      run bench_spec python3 bench.py --speculative-config '{"method": "ngram", "num_speculative_tokens": 3}' \
+        --json "$OUTDIR/bench_qwen3_0.6b_spec_ngram.json" ;;
     specngram)
       run spec_ngram env PYTHONPATH=/tmp/site:$PWD python3 -m benchmarks.speculative ngram --model "${GGUF:?GGUF=path}" \
         --batch-sizes ${SPEC_BATCH_SIZES:-1,8,16,32,64} --repeat 2 --json "$OUTDIR/spec_ngram.json" ;;

@@ -221,3 +221,18 @@ def test_profile_kernel_kinds():
             ("Memcpy HtoD (Pinned -> Device)", 2, 1e4)]
     assert kernel_kinds(rows) == [("router+sort (top-k, align)", 0.5), ("expert GEMMs", 4.0), ("attention", 1.0),
                                   ("library GEMMs (incl. the MoE router)", 0.4), ("other", 0.01)]
+
+
+def test_bench_with_a_speculative_config(tmp_path):
+    """--speculative-config reaches the engine (its cost on random prompts is the figure); a bad one is
+    refused with the engine's message naming the field."""
+    out = tmp_path / "result.json"
+    ngram = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1}
+    _bench(tmp_path, "--speculative-config", json.dumps(ngram), "--json", str(out))
+    result = json.loads(out.read_text())
+    assert result["speculative_config"] == ngram and result["output_tokens"] >= 5 * 100
+    proc = subprocess.run(
+        [sys.executable, "bench.py", "--config", str(_tiny_config(tmp_path)), "--device", "cpu",
+         "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 0}'],
+        cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode != 0 and "num_speculative_tokens" in proc.stderr, proc.stderr[-2000:]

@@ -3,6 +3,7 @@ server driven by the serving client (a small run, with two engine cores)."""
 import importlib.util
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -66,3 +67,17 @@ def test_whole_server_run(tmp_path):
     cpu = [line for line in proc.stdout.splitlines() if line.startswith("CPU of the ")]
     assert len(cpu) == 4 and "API process" in cpu[0] and "client" in cpu[3], proc.stdout[-2000:]
     assert sum("engine process" in line for line in cpu) == 2
+
+
+def test_multi_turn_run_splits_the_servers_ttft(tmp_path):
+    out = tmp_path / "summary.json"
+    proc = subprocess.run([sys.executable, "scripts/bench_frontend.py", "--multi-turn", "--num-prompts", "4",
+                           "--turns", "2:3", "--system-len", "300", "--input-len", "8:16", "--output-len", "4:8",
+                           "--step-ms", "2", "--port", "8020", "--json-out", str(out)],
+                          cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    summary = json.loads(out.read_text())
+    assert summary["hit_rate"] > 0.5 and summary["ttft_ms_later_turns"]["p50"] > 0
+    line = next(line for line in proc.stdout.splitlines() if line.startswith("server-side means: TTFT"))
+    ttft, queue, prefill, hop = (float(x) for x in re.findall(r"(-?\d+\.\d+)", line))
+    assert ttft > 0 and queue >= 0 and prefill > 0 and hop > 0 and abs(queue + prefill + hop - ttft) < 0.02
