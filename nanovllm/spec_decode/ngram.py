@@ -11,22 +11,30 @@ def ngram_lookup(tokens: np.ndarray, min_n: int, max_n: int, k: int) -> np.ndarr
     """The up to k tokens that followed the earliest earlier occurrence of tokens' longest suffix
     of min_n..max_n tokens (a view of tokens; empty when there is none). The longest suffix first,
     each one byte-substring search of the history in C (numpy took several calls per n, each
-    dearer than the whole scan)."""
+    dearer than the whole scan). The shortest goes first: every occurrence of a longer suffix
+    holds one of it, so a history without it (most steps of most sequences) costs one scan."""
     total = len(tokens)
     if total <= min_n or k <= 0:
         return tokens[:0]
     history = tokens.tobytes()  # one copy: the suffixes are slices of it, not copies of their own
     width = tokens.itemsize
     before_last = (total - 1) * width  # an occurrence ends before the last token
-    for n in range(min(max_n, total - 1), min_n - 1, -1):
+
+    def earliest(n: int) -> int:  # the first token of the earliest occurrence of the n-token suffix, or -1
         suffix = history[-n * width:]
         at = history.find(suffix, 0, before_last)
         while at > 0 and at % width:  # a match across token boundaries is none: look further
             at = history.find(suffix, at + 1, before_last)
+        return at // width if at >= 0 else -1
+
+    shortest = earliest(min_n)
+    if shortest < 0:
+        return tokens[:0]
+    for n in range(min(max_n, total - 1), min_n, -1):
+        at = earliest(n)
         if at >= 0:
-            end = at // width + n  # the token after the occurrence
-            return tokens[end:end + k]
-    return tokens[:0]
+            return tokens[at + n:at + n + k]
+    return tokens[shortest + min_n:shortest + min_n + k]
 
 
 class NgramProposer:
