@@ -125,6 +125,22 @@ def test_decode_over_an_fp8_cache(hq, hkv, d, block_size, num_splits, dtype, dev
     torch.testing.assert_close(out.float(), expect.float(), atol=TOL[dtype], rtol=TOL[dtype])
 
 
+def test_decode_over_an_fp8_cache_with_a_bf16_query(device, gen):
+    """A bf16 q runs the dots in fp16 (converted in the kernel; also under the interpreter, whose bf16
+    dots are wrong): the reference's result, and q values past fp16's range clamp to it, not NaN."""
+    hq, hkv, d, block_size = 8, 2, 64, 16
+    seq_lens = [1, 37, 130, 70]
+    (k8, v8), scales, (kd, vd), tables = _fp8_paged_kv(seq_lens, hkv, d, block_size, gen, device)
+    q = torch.randn(len(seq_lens), hq, d, generator=gen)
+    q[3] *= 1e6  # far past 65504
+    q = q.to(device, torch.bfloat16)
+    lens = torch.tensor(seq_lens, dtype=torch.int32, device=device)
+    out = paged_decode_attention(q, k8, v8, tables, lens, d ** -0.5, kv_scales=scales)
+    expect = ref.paged_decode_attention(q.float().clamp(-65504, 65504), kd, vd, tables, lens, d ** -0.5)
+    assert out.dtype == torch.bfloat16 and out.isfinite().all()
+    torch.testing.assert_close(out.float(), expect.float(), atol=2e-2, rtol=2e-2)
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("kv_desc", [False, True])
 def test_prefill_over_an_fp8_cache(kv_desc, dtype, device, gen):
