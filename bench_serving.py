@@ -25,6 +25,7 @@ spells text gets synthetic answers in the history instead, and the ideal counts 
 """
 import argparse
 import asyncio
+import gc
 import json
 import os
 import random
@@ -44,6 +45,7 @@ class Result:
     output_tokens: int = 0
     sent: float = 0.0  # time.perf_counter() when the request went out
     ttft: float = 0.0
+    headers: float = 0.0  # request sent -> the response's headers (the server accepted it), seconds
     latency: float = 0.0
     itl: list[float] = field(default_factory=list)
     cached_tokens: int = 0  # prompt tokens the server served from its prefix cache (usage)
@@ -70,6 +72,7 @@ async def one_request(client: httpx.AsyncClient, args, model: str, prompt: list[
     first_choice = None  # when the first chunk with a choice came
     try:
         async with client.stream("POST", "/v1/completions", json=body) as response:
+            result.headers = time.perf_counter() - start
             if response.status_code != 200:
                 result.error = f"HTTP {response.status_code}: {(await response.aread()).decode()[:200]}"
                 return result
@@ -162,9 +165,21 @@ async def drive(args, model: str, requests, concurrency: int | None, rate: float
         return results, start, time.perf_counter()
 
 
+def _frozen_heap(run):
+    """run() with the heap so far (httpx, the prompts) out of the cyclic collector's reach: a full
+    collection walking it would pause this process's streams and add its milliseconds to the TTFTs
+    measured meanwhile (`nanovllm serve` freezes its heap likewise)."""
+    gc.collect()
+    gc.freeze()
+    try:
+        return run()
+    finally:
+        gc.unfreeze()  # main() may run in a caller's process
+
+
 def _drive_shard(job):
     args, model, requests, concurrency, rate, seed = job
-    return asyncio.run(drive(args, model, requests, concurrency, rate, seed))
+    return _frozen_heap(lambda: asyncio.run(drive(args, model, requests, concurrency, rate, seed)))
 
 
 def run(args) -> tuple[list[Result], float, str]:
@@ -255,7 +270,7 @@ async def drive_conversations(args, model: str, ids, system: list[int], conversa
 
 
 def _drive_conversation_shard(job):
-    return asyncio.run(drive_conversations(*job))
+    return _frozen_heap(lambda: asyncio.run(drive_conversations(*job)))
 
 
 def run_multi_turn(args) -> tuple[list[Turn], float, str, float]:
@@ -296,10 +311,13 @@ def report_multi_turn(args, turns: list[Turn], duration: float, model: str, clie
         "ttft_ms": {k: v * 1e3 for k, v in percentiles([t.result.ttft for t in ok]).items()},
         "ttft_ms_first_turns": {k: v * 1e3 for k, v in percentiles([t.result.ttft for t in ok if t.turn == 0]).items()},
         "ttft_ms_later_turns": {k: v * 1e3 for k, v in percentiles([t.result.ttft for t in ok if t.turn > 0]).items()},
+        "headers_ms": {k: v * 1e3 for k, v in percentiles([t.result.headers for t in ok]).items()},
         "e2e_latency_ms": {k: v * 1e3 for k, v in percentiles([t.result.latency for t in ok]).items()},
         "turns": [{"conversation": t.conversation, "turn": t.turn, "prompt_len": t.result.prompt_len,
                    "output_tokens": t.result.output_tokens, "cached_tokens": t.result.cached_tokens,
-                   "shared_tokens": t.shared, "ttft_ms": t.result.ttft * 1e3} for t in ok],
+                   "shared_tokens": t.shared, "ttft_ms": t.result.ttft * 1e3, "headers_ms": t.result.headers * 1e3,
+                   # time.perf_counter() (CLOCK_MONOTONIC on Linux): comparable with a server's on the same machine
+                   "sent_s": t.result.sent} for t in ok],
     }
     line = "=" * 60
     print(f"{line}\n{'Multi-turn serving benchmark':^60}\n{line}")
@@ -313,7 +331,7 @@ def report_multi_turn(args, turns: list[Turn], duration: float, model: str, clie
     for name, value in rows:
         print(f"{name + ':':<40}{value:>20}")
     for key, title in (("ttft_ms", "Time to first token"), ("ttft_ms_first_turns", "TTFT, first turns"),
-                       ("ttft_ms_later_turns", "TTFT, later turns")):
+                       ("ttft_ms_later_turns", "TTFT, later turns"), ("headers_ms", "Sent to response headers")):
         print(f"{title:-^60}")
         for stat in ("mean", "p50", "p99"):
             print(f"{stat.upper() if stat == 'mean' else stat} (ms):".ljust(40) + f"{summary[key][stat]:>20.2f}")

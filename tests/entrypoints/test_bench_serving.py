@@ -89,8 +89,12 @@ def test_multi_turn_histories_are_reused(server_without_tokenizer, tmp_path):
         previous = turns.get((c, k - 1))
         assert t["shared_tokens"] == (40 if k == 0 else previous["prompt_len"] + previous["output_tokens"])
         assert t["shared_tokens"] - (k > 0) <= t["cached_tokens"] <= t["shared_tokens"]
+        # The headers come once the engine took the request in, before its first token.
+        assert 0 < t["headers_ms"] <= t["ttft_ms"]
+        if previous is not None:  # a turn is sent once the previous answer is complete
+            assert t["sent_s"] >= previous["sent_s"] + previous["ttft_ms"] / 1e3
     assert s["ideal_hit_rate"] - 0.02 < s["hit_rate"] <= s["ideal_hit_rate"]
-    assert s["ttft_ms"]["p50"] > 0 and s["ttft_ms_later_turns"]["p50"] > 0
+    assert s["ttft_ms"]["p50"] > 0 and s["ttft_ms_later_turns"]["p50"] > 0 and s["headers_ms"]["p50"] > 0
 
 
 def test_multi_turn_against_a_server_that_spells_text(tiny_server, tmp_path):

@@ -77,3 +77,23 @@ def test_interactive_chat_keeps_the_conversation(smollm_dir):
              stdin="What is the capital of France?\nAnd of Germany?\n\n")
     assert r.returncode == 0, r.stderr
     assert r.stdout.count(">>> ") >= 2 and "Paris" in r.stdout
+
+
+def test_serve_freezes_its_startup_heap(model_factory, monkeypatch):
+    """`nanovllm serve` freezes what exists once the engine and the app are up: a full collection
+    under load then walks the requests' objects only, not the libraries' (a 70-80 ms event-loop
+    pause each, BENCHMARKS.md)."""
+    import argparse
+    import gc
+
+    from nanovllm.entrypoints.openai import api_server, http_server
+    frozen = []
+    monkeypatch.setattr(http_server.Server, "run", lambda self: frozen.append(gc.get_freeze_count()))
+    parser = argparse.ArgumentParser()
+    api_server.add_serve_arguments(parser)
+    gc.unfreeze()
+    try:
+        assert api_server.run_server(parser.parse_args([model_factory("qwen3"), "--device", "cpu", "--port", "0"])) == 0
+    finally:
+        gc.unfreeze()
+    assert frozen and frozen[0] > 10_000  # FastAPI, pydantic, the tokenizer...
