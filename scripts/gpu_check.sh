@@ -108,14 +108,16 @@ for name in ("off", "baseline", "token"):
         rows.append((name, json.load(open(path))))
 off = dict(rows).get("off")
 print(f"{'arm':<15}{'hit rate':>9}{'ideal':>8}{'TTFT p50':>9}{'p99':>8}{'vs off':>8}{'mean':>7}"
-      f"{'server':>8}{'queue':>7}{'prefill':>8}{'hop':>6}{'step':>6}{'w/ prompt':>10}{'decode':>7}{'client CPU':>11}"
-      "   (ms; server-side means from /metrics, hop: the first token's from the engine to the server process;"
-      " steps: all, those with prompt tokens, decode-only)")
+      f"{'headers':>8}{'server':>8}{'queue':>7}{'prefill':>8}{'hop':>6}{'step':>6}{'w/ prompt':>10}{'decode':>7}"
+      f"{'client CPU':>11}   (ms; headers: the client's p50 to the response's headers, sent once the engine took"
+      " the request in; server-side means from /metrics, hop: the first token's from the engine to the server"
+      " process; steps: all, those with prompt tokens, decode-only)")
 for name, s in rows:
     ratio = off["ttft_ms"]["p50"] / s["ttft_ms"]["p50"] if off else float("nan")
     ttft, queue, prefill, step, prompt_step, decode_step = server_side(name)
     print(f"{name:<15}{s['hit_rate']:>9.2%}{s['ideal_hit_rate']:>8.2%}{s['ttft_ms']['p50']:>9.1f}"
-          f"{s['ttft_ms']['p99']:>8.1f}{ratio:>7.2f}x{s['ttft_ms']['mean']:>7.1f}{ttft:>8.1f}{queue:>7.1f}{prefill:>8.1f}"
+          f"{s['ttft_ms']['p99']:>8.1f}{ratio:>7.2f}x{s['ttft_ms']['mean']:>7.1f}"
+          f"{s.get('headers_ms', {}).get('p50', float('nan')):>8.1f}{ttft:>8.1f}{queue:>7.1f}{prefill:>8.1f}"
           f"{ttft - queue - prefill:>6.1f}"
           f"{step:>6.2f}{prompt_step:>10.2f}{decode_step:>7.2f}{s.get('client_cpu_share', float('nan')):>10.0%}")
 EOF
