@@ -1,14 +1,14 @@
 """`bench_serving.py --multi-turn`: chat conversations against an OpenAI-compatible server, each turn
 sent when the previous answer has arrived, reporting the prefix-cache hit rate against the ideal and
 TTFT (bench_serving.py's docstring describes the workload). The requests themselves go through
-bench_serving's client (`one_request`)."""
+benchmarks/serving_client.py's `one_request`."""
 import asyncio
 import random
 import sys
 import time
 from dataclasses import dataclass
 
-from bench_serving import Result, _client, _frozen_heap, one_request, percentiles, served_model
+from benchmarks.serving_client import Result, frozen_heap, http_client, one_request, percentiles, served_model
 
 
 @dataclass
@@ -47,7 +47,7 @@ async def plan_multi_turn(args):
         return [rng.randrange(*ids) for _ in range(rng.randint(*args.input_len))], rng.randint(*args.output_len)
     conversations = [[message() for _ in range(rng.randint(*args.turns))] for _ in range(args.num_prompts)]
     if args.warmup:
-        async with _client(args) as client:
+        async with http_client(args) as client:
             await one_request(client, args, model, system, 1)
     return model, ids, system, list(enumerate(conversations))
 
@@ -57,7 +57,7 @@ async def drive_conversations(args, model: str, ids, system: list[int], conversa
     """Hold the conversations ((index, turns) pairs); returns (turns, start, end, client CPU seconds)."""
     rng = random.Random(seed)
     turns: list[Turn] = []
-    async with _client(args) as client:
+    async with http_client(args) as client:
         gate = asyncio.Semaphore(concurrency) if concurrency else None
 
         async def limited(i, conversation):
@@ -78,7 +78,7 @@ async def drive_conversations(args, model: str, ids, system: list[int], conversa
 
 
 def _drive_conversation_shard(job):
-    return _frozen_heap(lambda: asyncio.run(drive_conversations(*job)))
+    return frozen_heap(lambda: asyncio.run(drive_conversations(*job)))
 
 
 def run_multi_turn(args) -> tuple[list[Turn], float, str, float]:
