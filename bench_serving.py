@@ -96,9 +96,6 @@ def run(args) -> tuple[list[Result], float, str]:
     return results, max(end for _, _, end in shards) - min(start for _, start, _ in shards), model
 
 
-# ---- --multi-turn ------------------------------------------------------------------------------
-
-
 def report(args, results: list[Result], duration: float, model: str) -> dict:
     ok = [r for r in results if r.ok]
     failed = [r for r in results if not r.ok]
