@@ -22,7 +22,7 @@ from triton.testing import do_bench, do_bench_cudagraph
 
 from nanovllm.kernels import paged_decode_attention
 from nanovllm.kernels import reference as ref
-from nanovllm.kernels.fp8_gemm import (MAX_TRITON_M, Fp8GemmConfig, fp8_dense_config, fp8_gated_config, fp8_gated_linear,
+from nanovllm.kernels.fp8_gemm import (LIBRARY_MIN_M, MAX_TRITON_M, Fp8GemmConfig, fp8_dense_config, fp8_gated_config, fp8_gated_linear,
                                        fp8_linear, fp8_partial_linear, fp8_splitk_config, library_available,
                                        library_scaled_mm)
 from nanovllm.kernels.fp8_quant import fused_add_rms_norm_quant, per_token_group_quant, silu_and_mul_quant
@@ -132,7 +132,8 @@ def timings(shapes, label, ms):
                 FAILS.append(f"time {name} {m}")
                 print(f"FAIL  time {name} M={m}: {type(e).__name__}: {str(e)[:300]}")
                 continue
-            engine = "triton" if m <= MAX_TRITON_M or not lib else "library"
+            splitk = name in ("o", "down") and fp8_splitk_config(m, k) is not None
+            engine = "triton" if splitk or m < LIBRARY_MIN_M or not lib else "library"
             print(f"M={m:5d} {name:>7} N={n:5d} K={k:5d}: triton {t_tri:8.1f} ({n * k / t_tri / 1e3:6.0f} GB/s)"
                   f" | torch._scaled_mm {t_lib:8.1f} | bf16 cuBLAS {t_bf16:8.1f} | table: {engine}", flush=True)
 
@@ -144,8 +145,9 @@ def _candidates(form, m):
     if m <= MAX_TRITON_M:  # weights-bound: one row of tiles; the column width, splits and stages matter
         bm = 16 if m <= 16 else 64
         for stages in (3, 4, 5, 6):
-            if form == "gated":
-                out += [Fp8GemmConfig(1, bm, 128, warps, stages) for warps in (4, 8)]
+            if form == "gated":  # up to 16 rows also narrow tiles, quantized by a pass after them
+                out += [Fp8GemmConfig(1, bm, bn, warps, stages) for warps in (2, 4, 8)
+                        for bn in ((32, 64, 128) if bm == 16 else (128,))]
             for bn in (32, 64) if form == "splitk" else (16, 32, 64, 128) if form == "dense" else ():
                 out += [Fp8GemmConfig(splits, bm, bn, 4, stages) for splits in ((2, 4, 8) if form == "splitk" else (1,))]
         return out

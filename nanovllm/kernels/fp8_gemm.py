@@ -12,9 +12,10 @@ kernels/gemm.py:
 - partials: K cut into S slices of fp32 partial products that the next residual-add RMSNorm sums
   (`gemm.SplitKOutput`), for o_proj / down_proj: at a decode step an N=4096 output has too few
   tiles to keep the memory system busy.
-Prefill-sized batches go to torch's block-scaled `torch._scaled_mm` (cuBLASLt, CUDA >= 12.9, sm_90)
-where a start-up check on the device finds it present and exact (`library_available`), else to the
-same Triton kernel with large tiles. Tile tables are fixed (no autotuning): the kernel is launched
+Products of more than a few rows (LIBRARY_MIN_M) go to torch's block-scaled `torch._scaled_mm`
+(cuBLASLt, CUDA >= 12.9, sm_90) where a start-up check on the device finds it present and exact
+(`library_available`), split-K ones past MAX_SPLITK_M; else to the same Triton kernel (large tiles
+past MAX_TRITON_M rows). Tile tables are fixed (no autotuning): the kernel is launched
 inside CUDA-graph captures and must not benchmark there.
 """
 import functools
@@ -33,10 +34,15 @@ from nanovllm.kernels.pdl import PDL_LAUNCH, pdl_prologue
 
 BLOCK_K = GROUP_SIZE  # one K block of the weight (and one activation group) per iteration
 _BLOCK_K = tl.constexpr(BLOCK_K)  # the kernels' view: a compiled kernel reads only constexpr globals
-# Rows up to which our kernel runs; past it the library's GEMM (where available). The decode steps
-# of the benchmarks (up to 256 sequences) and their weights-bound products are below; prefill
-# chunks are above.
+# Rows up to which the decode-sized tiles serve (weights-bound: one row of tiles); past it the
+# prefill tiles, where the library's GEMM is unavailable.
 MAX_TRITON_M = 128
+# Where the library's GEMM is available it takes the dense and gated products of more rows than
+# this: on the H200 (BENCHMARKS.md "FP8 kernels", 2026-12-04) cuBLASLt's block-scaled GEMM is as
+# fast as ours from 32 rows on and far faster at 128 (Qwen3-8B gate_up + silu_and_mul_quant 40.5 us
+# against our gated kernel's 64.6). Our split-K form (o_proj, down_proj) stays faster up to
+# MAX_SPLITK_M (down at 128 rows: 32.0 against 36.3 us).
+LIBRARY_MIN_M = 17
 # Split-K (partials) up to this many rows: past it the partials' traffic (S x M x N x 4 bytes)
 # approaches the weights'.
 MAX_SPLITK_M = 128
@@ -193,13 +199,15 @@ def fp8_partial_linear(x: QuantizedActivation, weight: torch.Tensor, scale: torc
 def fp8_gated_linear(x: QuantizedActivation, weight: torch.Tensor, scale: torch.Tensor, config: Fp8GemmConfig,
                      quantize_output: bool) -> torch.Tensor | QuantizedActivation:
     """silu(x @ gate^T) * (x @ up^T) for weight = [gate | up] ([2I, K]) -> [rows, I], in block FP8
-    when quantize_output (needs config.bn == 128 and I % 128 == 0), else in x.dtype."""
+    when quantize_output, else in x.dtype. The block-FP8 output comes from the tile's epilogue when
+    config.bn == 128 (one group per tile), else from a quantization pass over the x.dtype output."""
     _check(x, weight, scale)
     inter = weight.shape[0] // 2
     assert weight.shape[0] % 2 == 0 and inter % BLOCK_K == 0, weight.shape  # up's blocks start at a block
     config = config._replace(splits=1)
+    if quantize_output and config.bn != GROUP_SIZE:
+        return per_token_group_quant(fp8_gated_linear(x, weight, scale, config, quantize_output=False))
     if quantize_output:
-        assert config.bn == GROUP_SIZE, config
         out = empty_quantized(x.rows, inter, x.dtype, weight.device)
         if x.rows:
             _launch(x, weight, scale, out.data, inter, config, gated=True, quant_out=out)
@@ -219,8 +227,10 @@ def fp8_gated_linear(x: QuantizedActivation, weight: torch.Tensor, scale: torch.
 # read once); the tiles along N are then as wide as still gives about one program per SM, and where
 # no width of 64 or more does, 16 columns, 2 warps and 6 stages (qkv of Qwen3-8B, N=6144, 384
 # programs: 13.9 us at M=1 and 14.9 at 16 against 16.2 / 16.8 with 32 columns). The gated form
-# computes two products per tile and quantizes its output per tile: 128 columns (one group), 8 warps
-# to hold both fp32 accumulators and a block's products in registers.
+# computes two products per tile; from 17 rows it quantizes its output per tile: 128 columns (one
+# group), 8 warps to hold both fp32 accumulators and a block's products in registers. Up to 16 rows
+# that tile gives too few programs (Qwen3-8B gate_up: 96 for 132 SMs, 34.7 us at M=1): 32 columns, 2
+# warps and 4 stages, then a quantization pass, take 29.9 (2026-12-04), 0.6B's 11.0 -> 6.2 us.
 PREFILL_CONFIG = Fp8GemmConfig(1, 64, 128, 4, 3, 32)  # where the library GEMM is unavailable
 _MIN_PROGRAMS = 128
 
@@ -237,8 +247,8 @@ def fp8_dense_config(m: int, n: int) -> Fp8GemmConfig:
 
 
 def fp8_gated_config(m: int) -> Fp8GemmConfig:
-    if m <= 16:
-        return Fp8GemmConfig(1, 16, 128, 8, 3)
+    if m <= 16:  # 32 columns: 4x the programs of the 128-column tile that quantizes its own output
+        return Fp8GemmConfig(1, 16, 32, 2, 4)
     return Fp8GemmConfig(1, 64, 128, 8, 3, 32 if m > MAX_TRITON_M else 8)
 
 
@@ -273,9 +283,10 @@ def library_applies(weight: torch.Tensor) -> bool:
 
 
 def library_takes(x: QuantizedActivation) -> bool:
-    """The library GEMM for these rows: past our kernel's sizes, with the bf16 output the start-up check
-    verified (fp16 / fp32 models keep our kernel)."""
-    return x.rows > MAX_TRITON_M and x.dtype == torch.bfloat16
+    """The library GEMM for these rows (a dense or gated product, or one past split-K's sizes): from
+    LIBRARY_MIN_M rows, with the bf16 output the start-up check verified (fp16 / fp32 models keep our
+    kernel)."""
+    return x.rows >= LIBRARY_MIN_M and x.dtype == torch.bfloat16
 
 
 @functools.lru_cache(maxsize=None)
