@@ -37,6 +37,8 @@
 #   specngram n-gram speculation on the embedded GGUF, one request copying its prompt, and the batch-size sweep of
 #             disable_by_batch_size: GGUF=path/to/the.gguf (carried in two parts, ../shared/README.md), its gguf
 #             wheel installed into /tmp/site
+#   kvquality the FP8 KV cache's greedy text against the bf16 cache's on the embedded GGUF (GGUF=path as for
+#             specngram), with the fp32 model as the rounding noise floor (benchmarks/kv_cache_agreement.py)
 set -o pipefail
 OUTDIR=${1:-${OUT:-/tmp/nanovllm-gpu}}
 mkdir -p "$OUTDIR"
@@ -184,6 +186,9 @@ for stage in $STAGES; do
     specngram)
       run spec_ngram env PYTHONPATH=/tmp/site:$PWD python3 -m benchmarks.speculative ngram --model "${GGUF:?GGUF=path}" \
         --batch-sizes ${SPEC_BATCH_SIZES:-1,8,16,32,64} --repeat 2 --json "$OUTDIR/spec_ngram.json" ;;
+    kvquality)
+      run kv_quality env PYTHONPATH=/tmp/site:$PWD python3 -m benchmarks.kv_cache_agreement --model "${GGUF:?GGUF=path}" \
+        --noise-floor float32 --json "$OUTDIR/kv_quality.json" ;;
     *) echo "unknown stage $stage"; status=1 ;;
   esac
 done
