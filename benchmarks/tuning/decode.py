@@ -4,6 +4,8 @@
     python scripts/tune.py decode --buckets  (default config only, batch sizes 8-256: efficiency per
                                               batch size, the engine's split count against others)
     python scripts/tune.py decode --splits 8,16,24,32   (every split count 1-12 at these batch sizes, default config)
+    python scripts/tune.py decode --kv-fp8   (the full sweep over a float8_e4m3fn cache: half the bytes a
+                                              tile, so the best tile, warps and depth may differ)
 
 For each batch (context lengths drawn like the nano-vllm workload at several points of its run)
 it times every (BLOCK_N, num_warps, num_stages) with and without longest-first dispatch and a few
@@ -106,6 +108,7 @@ def main(argv=None, prog=None):
     ap.add_argument("--configs", default="64,4,3,1 64,4,3,0 64,4,4,1",
                     help="with --buckets: BLOCK_N,warps,stages,prefetch_blocks (0/1); the first is the default")
     ap.add_argument("--splits", help="comma-separated batch sizes: every split count 1-12 at each")
+    ap.add_argument("--kv-fp8", action="store_true", help="the full sweep over an FP8 cache (per-head scales 1.0)")
     args = ap.parse_args(argv)
     torch.manual_seed(0)
     random.seed(0)
@@ -130,16 +133,24 @@ def main(argv=None, prog=None):
     block_g = _decode_config(D, HQ // HKV)[0]
     configs = [(block_g, n, w, s, pf) for n, w, s, pf in itertools.product((32, 64, 128), (4, 8), (2, 3, 4),
                                                                           (False, True))]
+    value_bytes, scales = 2, None
+    if args.kv_fp8:
+        k_cache, v_cache = k_cache.to(torch.float8_e4m3fn), v_cache.to(torch.float8_e4m3fn)
+        value_bytes, scales = 1, (torch.ones(HKV, device="cuda"), torch.ones(HKV, device="cuda"))
+        configs += [(block_g, n, 2, s, pf) for n, s, pf in itertools.product((32, 64, 128), (3, 4, 5), (False, True))]
+        configs += [(block_g, n, 4, 5, pf) for n, pf in itertools.product((32, 64, 128), (False, True))]
     for name, lens in batches.items():
         q, tables, seq_lens, order = make_batch(lens, num_blocks)
-        kv_bytes = sum(lens) * HKV * D * 2 * 2
-        expect = paged_decode_attention(q, k_cache, v_cache, tables, seq_lens, D ** -0.5, workspace=ws)
+        kv_bytes = sum(lens) * HKV * D * 2 * value_bytes
+        expect = paged_decode_attention(q, k_cache, v_cache, tables, seq_lens, D ** -0.5, workspace=ws,
+                                        kv_scales=scales)
         results = []
         splits_options = (1, 2) if len(lens) >= 128 else (None, 1, 2, 4)
         for cfg, use_order, splits in itertools.product(configs, (False, True), splits_options):
             def call():
                 return paged_decode_attention(q, k_cache, v_cache, tables, seq_lens, D ** -0.5, num_splits=splits,
-                                              workspace=ws, order=order if use_order else None, _config=cfg)
+                                              workspace=ws, order=order if use_order else None, _config=cfg,
+                                              kv_scales=scales)
             try:
                 out = call()
                 torch.testing.assert_close(out.float(), expect.float(), atol=2e-2, rtol=2e-2)
