@@ -250,33 +250,41 @@ FP8_QWEN3 = dict(vocab_size=512, hidden_size=200, intermediate_size=256, num_hid
 _FP8_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
-def make_fp8_model(path: str, ref_path: str, seed: int = 0, kv_scales: dict | None = None, **overrides) -> str:
-    """A random Qwen3 written as a block-FP8 checkpoint at `path` (float8 weights + weight_scale_inv,
-    quantization_config in config.json, a tokenizer), and the same model with those weights dequantized
-    (weight * scale, fp32) as a plain checkpoint at `ref_path`, HF transformers' reference.
-    kv_scales: optional extra tensors (e.g. `model.layers.0.self_attn.k_scale`) for the FP8 checkpoint."""
+# A tiny Qwen3-MoE in the same format: experts of 128 rows (gate and up each one block), hidden 200
+# (partial blocks), layer 1 dense (mlp_only_layers); the router stays in the model dtype, as the
+# Qwen3-*-FP8 releases leave it.
+FP8_QWEN3_MOE = dict(FP8_QWEN3, moe_intermediate_size=128, num_experts=8, num_experts_per_tok=2, norm_topk_prob=True,
+                     mlp_only_layers=[1], decoder_sparse_step=1)
+
+
+def make_fp8_model(path: str, ref_path: str, seed: int = 0, kv_scales: dict | None = None, moe: bool = False,
+                   **overrides) -> str:
+    """A random Qwen3 (moe: Qwen3-MoE) written as a block-FP8 checkpoint at `path` (float8 weights +
+    weight_scale_inv, quantization_config in config.json, a tokenizer), and the same model with those
+    weights dequantized (weight * scale, fp32) as a plain checkpoint at `ref_path`, HF transformers'
+    reference. kv_scales: optional extra tensors (e.g. `model.layers.0.self_attn.k_scale`) for the FP8
+    checkpoint."""
     import json
 
-    from safetensors.torch import save_file
-
-    from nanovllm.layers.quantization.fp8 import dequantize_weight_blocks, quantize_weight_blocks
-    config = Qwen3Config(**{**FP8_QWEN3, **overrides})
+    from safetensors.torch import load_file, save_file
+    config = (Qwen3MoeConfig(**{**FP8_QWEN3_MOE, **overrides}) if moe else Qwen3Config(**{**FP8_QWEN3, **overrides}))
     config.initializer_range = 0.25
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     tok = make_tokenizer(path)
     model.config.eos_token_id = model.generation_config.eos_token_id = tok.eos_token_id
-    tensors = {}
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if name.rsplit(".", 2)[-2] in _FP8_PROJECTIONS:
-                q, scale = quantize_weight_blocks(param)
-                param.copy_(dequantize_weight_blocks(q, scale))
-                tensors[name], tensors[name + "_scale_inv"] = q, scale
-            else:
-                tensors[name] = param.detach().clone()
-    tensors.update(kv_scales or {})
+    quantized = _round_through_fp8(model)
     model.save_pretrained(ref_path, safe_serialization=True)
+    tensors = {}
+    for name, tensor in load_file(os.path.join(ref_path, "model.safetensors")).items():
+        if name in quantized:
+            q, scale = quantized.pop(name)
+            assert torch.equal(tensor, _dequantize(q, scale)), name  # the checkpoint names we assumed
+            tensors[name], tensors[name + "_scale_inv"] = q.contiguous(), scale.contiguous()
+        else:
+            tensors[name] = tensor
+    assert not quantized, sorted(quantized)[:4]
+    tensors.update(kv_scales or {})
     save_file(tensors, os.path.join(path, "model.safetensors"))
     with open(os.path.join(ref_path, "config.json")) as f:
         cfg = json.load(f)
@@ -284,6 +292,37 @@ def make_fp8_model(path: str, ref_path: str, seed: int = 0, kv_scales: dict | No
     with open(os.path.join(path, "config.json"), "w") as f:
         json.dump(cfg, f)
     return path
+
+
+def _dequantize(q, scale):
+    from nanovllm.layers.quantization.fp8 import dequantize_weight_blocks
+    return dequantize_weight_blocks(q, scale)
+
+
+@torch.no_grad()
+def _round_through_fp8(model) -> dict:
+    """Every projection of an HF model rounded through block FP8 in place; returns (float8 weight,
+    scales) by checkpoint tensor name. transformers holds a MoE layer's experts fused ([E, 2I, H]
+    gate_up_proj, [E, H, I] down_proj) and saves them one tensor per expert and projection."""
+    from nanovllm.layers.quantization.fp8 import quantize_weight_blocks
+    out = {}
+    for name, param in model.named_parameters():
+        if name.rsplit(".", 2)[-2] in _FP8_PROJECTIONS:
+            q, scale = quantize_weight_blocks(param)
+            param.copy_(_dequantize(q, scale))
+            out[name] = (q, scale)
+        elif name.endswith(("experts.gate_up_proj", "experts.down_proj")):
+            prefix, fused = name.rsplit(".", 1)
+            for e in range(param.shape[0]):
+                q, scale = quantize_weight_blocks(param[e])
+                param[e].copy_(_dequantize(q, scale))
+                if fused == "down_proj":
+                    out[f"{prefix}.{e}.down_proj.weight"] = (q, scale)
+                    continue
+                rows, blocks = q.shape[0] // 2, scale.shape[0] // 2  # gate, then up: whole blocks each
+                out[f"{prefix}.{e}.gate_proj.weight"] = (q[:rows], scale[:blocks])
+                out[f"{prefix}.{e}.up_proj.weight"] = (q[rows:], scale[blocks:])
+    return out
 
 
 def long_context_copy(model_dir: str, dest: str, positions: int = 8192) -> str:

@@ -11,6 +11,8 @@ adds a shared expert scaled by sigmoid(shared_expert_gate(x)). One all-reduce pe
   slices as a `SplitKOutput`, summed by the next RMSNorm as it loads them.
 - CPU: HF transformers' arithmetic op for op (its eager experts loop: experts in ascending id, each
   token's weighted output added in the activation dtype), so greedy output matches it token for token.
+- Block-FP8 checkpoints (Qwen3-30B-A3B-FP8): the experts load as float8 with their block scales and are
+  dequantized once loaded (layers/quantization/fp8.py `Fp8ExpertsMethod`); the router stays 16-bit.
 """
 import os
 from typing import NamedTuple
@@ -54,19 +56,31 @@ class RoutingStats(NamedTuple):
 
 class StackedExperts(nn.Module):
     """Every expert's weights in two tensors; checkpoint tensors (one per expert and projection)
-    land in their slice through the parameters' `weight_loader(param, tensor, (expert, shard))`."""
+    land in their slice through the parameters' `weight_loader(param, tensor, (expert, shard))`.
+    With a quantization config its experts method creates the parameters (block-FP8: float8 weights
+    and their `w13_scale_inv` / `w2_scale_inv` block scales, loaded by `scale_loader`) and finishes
+    them once loaded (`quant_method.process_weights_after_loading`, as for linear layers)."""
 
-    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int):
+    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, quant_config=None):
         super().__init__()
         if intermediate_size % tp_size():
             raise ValueError(f"{intermediate_size} is not divisible by tensor_parallel_size={tp_size()}")
         self.num_experts, self.hidden_size = num_experts, hidden_size
         self.intermediate_size = intermediate_size // tp_size()  # this rank's share
-        self.w13 = nn.Parameter(torch.empty(num_experts, 2 * self.intermediate_size, hidden_size), requires_grad=False)
-        self.w2 = nn.Parameter(torch.empty(num_experts, hidden_size, self.intermediate_size), requires_grad=False)
-        for param, shards in ((self.w13, 2), (self.w2, 1)):
-            param.weight_loader = self.weight_loader
-            param.num_shards = num_experts * shards  # the loader checks that every one arrived
+        shapes = {"w13": (num_experts, 2 * self.intermediate_size, hidden_size),
+                  "w2": (num_experts, hidden_size, self.intermediate_size)}
+        self.quant_method = None if quant_config is None else quant_config.experts_method()
+        if self.quant_method is None:
+            for name, shape in shapes.items():
+                setattr(self, name, nn.Parameter(torch.empty(shape), requires_grad=False))
+        else:
+            self.quant_method.create_weights(self, shapes)
+        for name, shards in (("w13", 2), ("w2", 1)):
+            for param, loader in ((getattr(self, name), self.weight_loader),
+                                  (getattr(self, name + "_scale_inv", None), self.scale_loader)):
+                if param is not None:
+                    param.weight_loader = loader
+                    param.num_shards = num_experts * shards  # the loader checks that every one arrived
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: tuple[int, int]):
         """shard_id = (expert, 0 for gate / 1 for up); w2 takes (expert, 0)."""
@@ -82,6 +96,25 @@ class StackedExperts(nn.Module):
         if tuple(loaded.shape) != expected:
             raise ValueError(f"expert {expert} weight has shape {tuple(loaded.shape)}, expected {expected} "
                              "(hidden_size x the experts' intermediate size in the config)")
+        dst.copy_(loaded.narrow(dim, tp_rank() * local, local))
+
+    def scale_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: tuple[int, int]):
+        """One expert projection's block scales ([ceil(N/128), ceil(K/128)] of its [N, K] weight) into
+        `w13_scale_inv` / `w2_scale_inv`, this rank's blocks: the intermediate size per rank fills
+        whole blocks (models/llama.py `check_block_quantization`), so gate, up and the shards stack."""
+        expert, which = shard_id
+        block = param.block_size
+        local = self.intermediate_size // block
+        hidden = -(-self.hidden_size // block)
+        if not 0 <= expert < self.num_experts:
+            raise ValueError(f"checkpoint has expert {expert}, but the config has num_experts={self.num_experts}")
+        if param is self.w13_scale_inv:
+            expected, dim, dst = (local * tp_size(), hidden), 0, param.data[expert, which * local:(which + 1) * local]
+        else:
+            expected, dim, dst = (hidden, local * tp_size()), 1, param.data[expert]
+        if tuple(loaded.shape) != expected:
+            raise ValueError(f"expert {expert} weight_scale_inv has shape {tuple(loaded.shape)}, expected {expected} "
+                             f"(one scale per {block}x{block} block of the expert's weight)")
         dst.copy_(loaded.narrow(dim, tp_rank() * local, local))
 
 
@@ -100,13 +133,14 @@ class SharedExpert(nn.Module):
 
 class SparseMoeBlock(nn.Module):
     def __init__(self, hidden_size: int, num_experts: int, top_k: int, intermediate_size: int, renormalize: bool,
-                 round_weights: bool, shared_intermediate_size: int = 0):
+                 round_weights: bool, shared_intermediate_size: int = 0, quant_config=None):
         """round_weights: the routing weights are rounded to the activation dtype before they scale
-        the experts' outputs (HF's Qwen routers; Mixtral's stay fp32)."""
+        the experts' outputs (HF's Qwen routers; Mixtral's stay fp32). quant_config: the experts'
+        (the router stays in the model dtype, as quantized checkpoints leave it)."""
         super().__init__()
         self.top_k, self.renormalize, self.round_weights = top_k, renormalize, round_weights
         self.gate = ReplicatedLinear(hidden_size, num_experts)
-        self.experts = StackedExperts(num_experts, hidden_size, intermediate_size)
+        self.experts = StackedExperts(num_experts, hidden_size, intermediate_size, quant_config)
         self.shared_expert = self.shared_expert_gate = None
         if shared_intermediate_size:
             self.shared_expert = SharedExpert(hidden_size, shared_intermediate_size)

@@ -100,7 +100,7 @@ class DecoderModel(nn.Module):
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(config, **switches, quant_config=quant_config,
-                                                 mlp=make_mlp(config, i) if make_mlp else None)
+                                                 mlp=make_mlp(config, i, quant_config) if make_mlp else None)
                                     for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -133,7 +133,7 @@ class DecoderForCausalLM(nn.Module):
         """Raise, naming the field, if the config asks for what this model does not implement."""
 
     @classmethod
-    def make_mlp(cls, config, layer_idx: int) -> nn.Module | None:
+    def make_mlp(cls, config, layer_idx: int, quant_config=None) -> nn.Module | None:
         """Layer layer_idx's feed-forward block; None: the dense MLP."""
         return None
 
@@ -201,6 +201,9 @@ def check_block_quantization(config, size: int, block: int = 128):
         f"num_key_value_heads={kv_heads} x head_dim={head_dim}{per_rank}": max(1, kv_heads // size) * head_dim,
         f"intermediate_size={inter}{per_rank}": inter // size,
     }
+    experts = getattr(config, "moe_intermediate_size", None)  # Qwen MoE experts (Mixtral's: intermediate_size)
+    if experts:
+        rows[f"moe_intermediate_size={experts}{per_rank}"] = experts // size
     for what, n in rows.items():
         if n % block:
             raise ValueError(f"block-quantized FP8 weights (weight_block_size [{block}, {block}]): {what} = {n} is not "

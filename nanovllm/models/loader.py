@@ -13,8 +13,9 @@ from nanovllm.models.registry import get_model_class
 
 # An FP8 KV cache's per-layer scales, as checkpoints name them (vLLM's `self_attn.k_scale` / `v_scale`).
 _KV_SCALE_SUFFIXES = (".self_attn.k_scale", ".self_attn.v_scale")
-# `...experts.{e}.{projection}.weight`: one expert's projection, bound for a stacked parameter.
-_EXPERT_TENSOR = re.compile(r"\.experts\.(\d+)\.(\w+)\.weight$")
+# `...experts.{e}.{projection}.weight` (and a block-FP8 checkpoint's `.weight_scale_inv`): one expert's
+# projection, bound for a stacked parameter (or its scales).
+_EXPERT_TENSOR = re.compile(r"\.experts\.(\d+)\.(\w+)\.(weight|weight_scale_inv)$")
 
 
 def build_model(hf_config, dtype: torch.dtype, device: torch.device, quant_config=None) -> nn.Module:
@@ -86,7 +87,9 @@ def load_weights(model: nn.Module, path: str):
                 expert = _EXPERT_TENSOR.search(target) if experts else None
                 if expert is not None and expert.group(2) in experts:
                     stacked, which = experts[expert.group(2)]
-                    target, shard_id = f"{target[:expert.start()]}.experts.{stacked}", (int(expert.group(1)), which)
+                    suffix = "" if expert.group(3) == "weight" else "_scale_inv"
+                    target = f"{target[:expert.start()]}.experts.{stacked}{suffix}"
+                    shard_id = (int(expert.group(1)), which)
                 else:
                     for ckpt_name, (fused_name, sid) in packed.items():
                         if f".{ckpt_name}." in target:

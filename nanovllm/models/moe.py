@@ -4,7 +4,8 @@ The llama.py decoder, with `SparseMoeBlock` (layers/fused_moe.py) in place of th
 sparse layers. Checkpoints as HF writes them (one tensor per expert and projection,
 `...experts.{e}.gate_proj.weight`) load into the stacked expert weights through their weight_loaders
 (models/loader.py, `expert_projections`). A config asking for an MoE feature we do not implement is
-refused at load, naming the field.
+refused at load, naming the field. Block-FP8 checkpoints load too (Qwen2-MoE's excepted): the attention
+and dense projections as in dense models, the experts through `Fp8ExpertsMethod`.
 """
 from typing import NamedTuple
 
@@ -42,12 +43,11 @@ class MoeForCausalLM(DecoderForCausalLM):
     # checkpoint expert projection -> (stacked parameter of `experts`, shard: 0 gate, 1 up)
     expert_projections = {"gate_proj": ("w13", 0), "up_proj": ("w13", 1), "down_proj": ("w2", 0)}
 
-    supports_quantization = False
+    supports_quantization = True  # block FP8: the attention and dense projections and the experts
 
     def __init__(self, config, quant_config=None):
         self.check_config(config)
-        assert quant_config is None, "refused by check_model_config"
-        super().__init__(config)
+        super().__init__(config, quant_config)
 
     @classmethod
     def moe_spec(cls, config) -> MoeSpec:
@@ -61,10 +61,10 @@ class MoeForCausalLM(DecoderForCausalLM):
                 and (layer_idx + 1) % config.decoder_sparse_step == 0)
 
     @classmethod
-    def make_mlp(cls, config, layer_idx: int):
+    def make_mlp(cls, config, layer_idx: int, quant_config=None):
         if not cls.is_sparse(config, layer_idx):
             return None  # the dense MLP
-        return SparseMoeBlock(config.hidden_size, *cls.moe_spec(config))
+        return SparseMoeBlock(config.hidden_size, *cls.moe_spec(config), quant_config=quant_config)
 
     @classmethod
     def check_config(cls, config):
@@ -121,6 +121,7 @@ class Qwen3MoeForCausalLM(MoeForCausalLM):
 
 class Qwen2MoeForCausalLM(Qwen3MoeForCausalLM):
     """Qwen1.5/Qwen2-MoE: qkv bias, no q/k norm, and a shared expert in every sparse layer."""
+    supports_quantization = False  # the shared expert has no FP8 form
 
     @classmethod
     def switches(cls, config):

@@ -27,4 +27,4 @@ def check_model_config(hf_config, quant_config=None):
     model_cls.check_config(hf_config)
     if quant_config is not None and not model_cls.supports_quantization:
         raise ValueError(f"quantization={quant_config.name!r}: {model_cls.__name__} has no quantized layers yet "
-                         "(FP8 experts are not implemented); serve the 16-bit checkpoint")
+                         "(Qwen2-MoE's shared expert has no FP8 form); serve the 16-bit checkpoint")

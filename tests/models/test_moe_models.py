@@ -69,12 +69,6 @@ def test_tensor_parallel_must_divide_the_expert_sizes(model_factory):
             tensor_parallel_size=2)
 
 
-def test_fp8_quantization_of_an_moe_model_is_refused_naming_the_field(model_factory):
-    """FP8 experts are not implemented: quantization='fp8' names that before any weight loads."""
-    with pytest.raises(ValueError, match=r"quantization='fp8': Qwen3MoeForCausalLM has no quantized layers"):
-        LLM(model_factory("qwen3_moe"), quantization="fp8")
-
-
 def _edited_checkpoint(model_factory, tmp_path, arch, edit) -> str:
     path = tmp_path / arch
     shutil.copytree(model_factory(arch), path)

@@ -7,10 +7,11 @@ default) keeps its plain weight and its own tuned paths, untouched. A method may
 already quantized (`input_quant`): the kernel that produces the layer's input (the RMSNorm before
 qkv and gate_up, the SwiGLU before down) then hands it over in that form.
 
-A fused-MoE layer takes quantized experts the same way: the config would give it a method that
-creates the [E, N, K] expert weights with their [E, ceil(N/128), ceil(K/128)] scales (each with its
-`weight_loader`) and runs the experts' products; kernels/fp8_gemm.py's `fp8_mainloop` is the per-tile
-block-scaled product such a grouped kernel would share.
+A fused-MoE layer takes quantized experts the same way (`QuantizationConfig.experts_method`): the
+method creates the [E, N, K] expert weights with their [E, ceil(N/128), ceil(K/128)] scales (the
+layer gives each its `weight_loader`) and finishes them once loaded. Block FP8's dequantizes them,
+having no grouped FP8 kernel yet; kernels/fp8_gemm.py's `fp8_mainloop` is the per-tile block-scaled
+product such a kernel would share.
 """
 from typing import NamedTuple
 
@@ -56,4 +57,9 @@ class QuantizationConfig:
     name: str = "base"
 
     def linear_method(self, device: torch.device) -> LinearMethod:
+        raise NotImplementedError
+
+    def experts_method(self):
+        """The method of a fused-MoE layer's stacked experts (`create_weights(experts, shapes)`,
+        `process_weights_after_loading(experts)`)."""
         raise NotImplementedError

@@ -15,6 +15,7 @@ elsewhere (the CPU) the weight is dequantized once at load, exactly ``weight * s
 layer becomes a plain one. Without an FP8 checkpoint (random weights for benchmarks, or a bf16
 checkpoint with ``quantization="fp8"``) each weight is quantized to this format once loaded.
 """
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -23,7 +24,9 @@ from torch import nn
 
 from nanovllm.distributed import tp_size
 from nanovllm.layers.quantization.base import ActivationQuant, LinearMethod, QuantizationConfig
+from nanovllm.logger import init_logger
 
+logger = init_logger(__name__)
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = 448.0
 BLOCK = 128
@@ -84,6 +87,9 @@ class Fp8Config(QuantizationConfig):
 
     def linear_method(self, device: torch.device) -> "Fp8LinearMethod":
         return Fp8LinearMethod(self, device)
+
+    def experts_method(self) -> "Fp8ExpertsMethod":
+        return Fp8ExpertsMethod(self)
 
 
 def fp8_kernels_available(device: torch.device) -> bool:
@@ -187,3 +193,52 @@ def _fp8_weight_loader(layer: nn.Module):
                              "float8_e4m3fn; linear layers left unquantized in an FP8 checkpoint are not supported")
         layer.weight_loader(param, loaded, *shard_id)
     return load
+
+
+class Fp8ExpertsMethod:
+    """Block-FP8 experts of a fused-MoE layer (layers/fused_moe.py `StackedExperts`): each stacked
+    [E, N, K] weight loads as float8 with its [E, ceil(N/128), ceil(K/128)] scales, one expert's
+    projection at a time (`StackedExperts.weight_loader` / `scale_loader`). There is no grouped FP8
+    kernel yet, so once loaded the experts are dequantized, exactly ``weight * scale`` as every layer
+    is on the CPU, into the model dtype, and the layer runs its 16-bit kernels (on the GPU the
+    checkpoint then holds the experts at 2 bytes a weight; its attention and dense projections keep
+    their FP8 kernels). Without an FP8 checkpoint (random weights, ``quantization="fp8"``) each expert
+    is rounded through the format once, so that its products are an FP8 checkpoint's."""
+
+    def __init__(self, config: Fp8Config):
+        self.config = config
+        self.dtype = torch.get_default_dtype()  # the model's activation dtype (build_model sets it)
+
+    def create_weights(self, experts: nn.Module, shapes: dict[str, tuple[int, int, int]]):
+        """shapes: stacked parameter name -> [E, N, K] on this rank."""
+        for name, (e, n, k) in shapes.items():
+            if not self.config.from_checkpoint:
+                setattr(experts, name, nn.Parameter(torch.empty(e, n, k), requires_grad=False))
+                continue
+            setattr(experts, name, nn.Parameter(torch.empty(e, n, k, dtype=FP8_DTYPE), requires_grad=False))
+            scale = nn.Parameter(torch.empty(e, -(-n // BLOCK), -(-k // BLOCK), dtype=torch.float32),
+                                 requires_grad=False)
+            scale.block_size = BLOCK
+            setattr(experts, name + "_scale_inv", scale)
+
+    @torch.no_grad()
+    def process_weights_after_loading(self, experts: nn.Module):
+        for name in ("w13", "w2"):
+            param = getattr(experts, name)
+            if not self.config.from_checkpoint:  # in place, an expert at a time: no second copy
+                for e in range(param.shape[0]):
+                    param.data[e] = dequantize_weight_blocks(*quantize_weight_blocks(param.data[e])).to(param.dtype)
+                continue
+            scale = getattr(experts, name + "_scale_inv").data
+            out = torch.empty(param.shape, dtype=self.dtype, device=param.device)
+            for e in range(param.shape[0]):
+                out[e] = dequantize_weight_blocks(param.data[e], scale[e]).to(self.dtype)
+            setattr(experts, name, nn.Parameter(out, requires_grad=False))
+            delattr(experts, name + "_scale_inv")
+        experts.quant_method = None
+        _note_dequantized_experts(self.dtype)
+
+
+@functools.lru_cache(maxsize=None)
+def _note_dequantized_experts(dtype: torch.dtype):
+    logger.info("block-FP8 experts dequantized to %s once loaded: there is no grouped FP8 kernel yet", dtype)
