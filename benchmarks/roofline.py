@@ -17,9 +17,7 @@ def architecture_costs(cfg, dtype_bytes: int = 2, fp8_weights: bool = False, kv_
     """Per-step weight bytes and per-token FLOPs of the architecture in config.json. A mixture of experts
     splits its weights into what every step reads (attention, routers, dense layers, shared experts, the
     LM head) and one expert's weights, read once per step for each (layer, expert) the step routes to.
-    fp8_weights: the projections are block FP8; the routers, norms and LM head stay 16-bit, and so do the
-    experts as they are read: FP8 experts are dequantized once loaded (layers/quantization/fp8.py
-    `Fp8ExpertsMethod`, no grouped FP8 kernel yet).
+    fp8_weights: the projections (and experts) are block FP8; the routers, norms and LM head stay 16-bit.
     kv_dtype_bytes: the KV cache's bytes per value (default: dtype_bytes)."""
     h, layers, vocab = cfg["hidden_size"], cfg["num_hidden_layers"], cfg["vocab_size"]
     heads, kv_heads = cfg["num_attention_heads"], cfg.get("num_key_value_heads", cfg["num_attention_heads"])
@@ -47,7 +45,7 @@ def architecture_costs(cfg, dtype_bytes: int = 2, fp8_weights: bool = False, kv_
                    + sparse * (_matrix_bytes(shared, dtype_bytes, fp8_weights) + (experts * h + shared_gate) * dtype_bytes)
                    + vocab * h * dtype_bytes)
     return {"dense_weight_bytes": dense_bytes,
-            "expert_bytes": _matrix_bytes(mlp(expert_inter), dtype_bytes, False) if expert_inter else 0,
+            "expert_bytes": _matrix_bytes(mlp(expert_inter), dtype_bytes, fp8_weights) if expert_inter else 0,
             "sparse_layers": sparse, "num_experts": experts, "active_params": active_params,
             "kv_bytes_per_token": 2 * layers * kv_heads * d * (kv_dtype_bytes or dtype_bytes),
             "layers": layers, "heads": heads, "head_dim": d}
