@@ -11,8 +11,10 @@ adds a shared expert scaled by sigmoid(shared_expert_gate(x)). One all-reduce pe
   slices as a `SplitKOutput`, summed by the next RMSNorm as it loads them.
 - CPU: HF transformers' arithmetic op for op (its eager experts loop: experts in ascending id, each
   token's weighted output added in the activation dtype), so greedy output matches it token for token.
-- Block-FP8 checkpoints (Qwen3-30B-A3B-FP8): the experts load as float8 with their block scales and are
-  dequantized once loaded (layers/quantization/fp8.py `Fp8ExpertsMethod`); the router stays 16-bit.
+- Block-FP8 checkpoints (Qwen3-30B-A3B-FP8): the experts load as float8 with their block scales
+  (layers/quantization/fp8.py `Fp8ExpertsMethod`); on the GPU the grouped GEMMs take them as they are,
+  the activations quantized in 1 x 128 groups (W8A8), on the CPU they are dequantized once loaded. The
+  router stays 16-bit.
 """
 import os
 from typing import NamedTuple
@@ -69,7 +71,7 @@ class StackedExperts(nn.Module):
         self.intermediate_size = intermediate_size // tp_size()  # this rank's share
         shapes = {"w13": (num_experts, 2 * self.intermediate_size, hidden_size),
                   "w2": (num_experts, hidden_size, self.intermediate_size)}
-        self.quant_method = None if quant_config is None else quant_config.experts_method()
+        self.quant_method = None if quant_config is None else quant_config.experts_method(torch.get_default_device())
         if self.quant_method is None:
             for name, shape in shapes.items():
                 setattr(self, name, nn.Parameter(torch.empty(shape), requires_grad=False))
@@ -188,13 +190,20 @@ class SparseMoeBlock(nn.Module):
         from nanovllm.kernels.moe_gemm import moe_config, moe_down, moe_gate_up, parts_dtype
         from nanovllm.kernels.moe_routing import route
         t, h = x.shape
-        config = moe_config(t, h, self.experts.intermediate_size, x.dtype)
+        experts = self.experts
+        fp8 = experts.quant_method is not None  # block-FP8 experts: W8A8, activations in 1 x 128 groups
+        config = moe_config(t, h, experts.intermediate_size, x.dtype, fp8)
         routing = route(logits, self.top_k, config.block_m, self.renormalize, self.round_weights,
                         self.routing_stats, slots)
-        act = moe_gate_up(x, self.experts.w13, routing, config.gate_up)
         num_parts = self.top_k + (self.shared_expert is not None)
         parts = torch.empty(num_parts, t, h, dtype=parts_dtype(t, h, num_parts, x.dtype), device=x.device)
-        moe_down(act, self.experts.w2, routing, config.down, parts)
+        if fp8:
+            from nanovllm.kernels.fp8_quant import per_token_group_quant
+            act = moe_gate_up(per_token_group_quant(x), experts.w13, routing, config.gate_up, experts.w13_scale_inv)
+            moe_down(per_token_group_quant(act), experts.w2, routing, config.down, parts, experts.w2_scale_inv)
+        else:
+            act = moe_gate_up(x, experts.w13, routing, config.gate_up)
+            moe_down(act, experts.w2, routing, config.down, parts)
         if self.shared_expert is not None:
             parts[self.top_k].copy_(self._shared(x))
         if tp_size() > 1:

@@ -5,7 +5,8 @@ sparse layers. Checkpoints as HF writes them (one tensor per expert and projecti
 `...experts.{e}.gate_proj.weight`) load into the stacked expert weights through their weight_loaders
 (models/loader.py, `expert_projections`). A config asking for an MoE feature we do not implement is
 refused at load, naming the field. Block-FP8 checkpoints load too (Qwen2-MoE's excepted): the attention
-and dense projections as in dense models, the experts through `Fp8ExpertsMethod`.
+and dense projections as in dense models, the experts through `Fp8ExpertsMethod` (grouped W8A8 GEMMs on the
+GPU).
 """
 from typing import NamedTuple
 

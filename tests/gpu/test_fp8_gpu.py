@@ -57,6 +57,31 @@ def _reference_gemms(monkeypatch):
     monkeypatch.setattr(fp8.Fp8LinearMethod, "apply", apply)
     monkeypatch.setattr(fp8.Fp8LinearMethod, "apply_swiglu", apply_swiglu)
 
+    # Block-FP8 experts: the grouped GEMMs by the torch loop over the dequantized operands (fp32), the
+    # activations quantized as the kernels' callers quantize them.
+    from nanovllm.kernels import moe_gemm
+    gate_up_kernels, down_kernels = moe_gemm.moe_gate_up, moe_gemm.moe_down
+
+    def experts(w, scale):
+        return torch.stack([ref.dequantize_blocks(w[e], scale[e]) for e in range(w.shape[0])])
+
+    def moe_gate_up(x, w13, routing, tile, w_scale=None):
+        if w_scale is None:
+            return gate_up_kernels(x, w13, routing, tile)
+        x_dq = ref.dequantize_groups(x.data[:x.rows], x.scale[:, :x.rows].t())
+        return ref.moe_gate_up(x_dq, experts(w13, w_scale), routing.ids).to(x.dtype)
+
+    def moe_down(act, w2, routing, tile, parts, w_scale=None):
+        if w_scale is None:
+            return down_kernels(act, w2, routing, tile, parts)
+        a_dq = ref.dequantize_groups(act.data[:act.rows], act.scale[:, :act.rows].t())
+        k = routing.top_k
+        parts[:k] = ref.moe_down(a_dq, experts(w2, w_scale), routing.weights, routing.ids).to(parts.dtype)
+        return parts
+
+    monkeypatch.setattr(moe_gemm, "moe_gate_up", moe_gate_up)
+    monkeypatch.setattr(moe_gemm, "moe_down", moe_down)
+
 
 def _fp8_kernels_agree_with_the_reference(path, monkeypatch, calibrate=False, **kwargs):
     """calibrate: a second, equally valid reference (the reference GEMMs accumulating in fp64, the
@@ -106,15 +131,16 @@ def test_fp8_checkpoint_kernels_agree_with_the_reference(tmp_path, monkeypatch):
 
 
 def test_fp8_moe_checkpoint_kernels_agree_with_the_reference(tmp_path, monkeypatch):
-    """A tiny block-FP8 Qwen3-MoE: attention and the dense layer through the W8A8 kernels, the experts
-    (dequantized once loaded) through the fused-MoE kernels, CUDA graphs on; against the same engine
-    with every FP8 projection computed by the reference GEMMs (the experts run the same kernels in both)."""
+    """A tiny block-FP8 Qwen3-MoE: attention, the dense layer and the experts (grouped W8A8 GEMMs)
+    through the FP8 kernels, CUDA graphs on; against the same engine with every FP8 product, the
+    experts' included, computed by the torch reference."""
     path = str(tmp_path / "fp8")
     os.makedirs(path)
     make_fp8_model(path, str(tmp_path / "ref"), moe=True)
     with LLM(path, enforce_eager=True, **KW) as llm:
         experts = llm.engine.model_runner.model.model.layers[0].mlp.experts
-        assert experts.w13.dtype == torch.bfloat16 and not hasattr(experts, "w13_scale_inv")
+        assert experts.w13.dtype == experts.w2.dtype == torch.float8_e4m3fn and experts.quant_method is not None
+        assert experts.w13_scale_inv.dtype == torch.float32
     _fp8_kernels_agree_with_the_reference(path, monkeypatch, calibrate=True)
 
 

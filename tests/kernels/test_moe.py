@@ -177,3 +177,87 @@ def test_the_next_rmsnorm_sums_the_expert_slices(parts_dtype, device, gen):
     expect_y, expect_residual = fused_add_rms_norm(total, residual, weight, 1e-6)
     torch.testing.assert_close(new_residual, expect_residual, atol=0, rtol=0)
     torch.testing.assert_close(y, expect_y, atol=0, rtol=0)
+
+
+# Block-FP8 experts: (experts, top_k, hidden, intermediate); hidden 200 on the CPU: a partial K block.
+FP8_SHAPE = (128, 8, 2048, 768) if ON_GPU else (8, 2, 200, 128)
+
+
+def _fp8_experts(e, h, inter, device, gen):
+    from nanovllm.layers.quantization.fp8 import quantize_weight_blocks
+    out = []
+    for n, k in ((2 * inter, h), (h, inter)):
+        pairs = [quantize_weight_blocks(torch.randn(n, k, generator=gen) * k ** -0.5) for _ in range(e)]
+        out.append((torch.stack([q for q, _ in pairs]).to(device), torch.stack([s for _, s in pairs]).to(device)))
+    return out
+
+
+def _dequantized(w, scale):
+    return torch.stack([ref.dequantize_blocks(w[i], scale[i]) for i in range(w.shape[0])])
+
+
+@pytest.mark.parametrize("dtype", GEMM_DTYPES[:1])
+@pytest.mark.parametrize("t", TOKENS)
+def test_fp8_grouped_gemms_match_the_reference(t, dtype, device, gen):
+    """W8A8: float8 experts with 128x128 block scales, activations quantized in 1 x 128 groups, against
+    the torch loop over the dequantized operands (fp32); the table's FP8 tiles and narrower ones."""
+    from nanovllm.kernels.fp8_quant import per_token_group_quant
+    e, k, h, inter = FP8_SHAPE
+    x = torch.randn(t, h, generator=gen).to(device, dtype)
+    (w13, s13), (w2, s2) = _fp8_experts(e, h, inter, device, gen)
+    logits = _logits(t, e, dtype, device, gen, skew=2.0)
+    xq = per_token_group_quant(x)
+    x_dq = ref.dequantize_groups(xq.data[:t], xq.scale[:, :t].t())
+    config = moe_config(t, h, inter, dtype, fp8=True)
+    assert config.gate_up.bk == config.down.bk == 128 and 128 % config.gate_up.bn == 0 == 128 % config.down.bn
+    tiles = [(config.block_m, config.gate_up, config.down), (16, MoeTile(32, 128, 4, 2), MoeTile(64, 128, 4, 2))]
+    for block_m, gate_up_tile, down_tile in tiles:
+        routing = route(logits, k, block_m, True, True)
+        act = moe_gate_up(xq, w13, routing, gate_up_tile, s13)
+        assert act.dtype == dtype and act.shape == (t * k, inter)
+        expect = ref.moe_gate_up(x_dq, _dequantized(w13, s13), routing.ids)
+        torch.testing.assert_close(act.float(), expect, atol=2e-2, rtol=2e-2)
+        actq = per_token_group_quant(act)
+        parts = torch.full((k + 1, t, h), float("nan"), device=device)
+        moe_down(actq, w2, routing, down_tile, parts, s2)
+        assert parts[k].isnan().all()
+        act_dq = ref.dequantize_groups(actq.data[:t * k], actq.scale[:, :t * k].t())
+        expect = ref.moe_down(act_dq, _dequantized(w2, s2), routing.weights, routing.ids)
+        torch.testing.assert_close(parts[:k], expect, atol=1e-2, rtol=1e-2)
+
+
+def test_fp8_tiles_hold_one_scale_each():
+    """The FP8 table: one 128-deep K block and at most one 128-row block per tile, at every step size."""
+    for t in (1, 32, 100, 256, 700, 5000):
+        config = moe_config(t, 2048, 768, torch.bfloat16, fp8=True)
+        for tile in (config.gate_up, config.down):
+            assert tile.bk == 128 and 128 % tile.bn == 0 and not tile.tma
+
+
+def test_moe_block_with_fp8_experts_on_the_kernel_path(device, gen):
+    """SparseMoeBlock's GPU path over block-FP8 experts (its input and the SwiGLU output quantized in
+    1 x 128 groups on the way) against HF's arithmetic over the dequantized experts: within the
+    activations' quantization error."""
+    from nanovllm.layers.fused_moe import SparseMoeBlock
+    e, k, h, inter = FP8_SHAPE
+    t = 40 if not ON_GPU else 300
+    with torch.device(device):
+        block = SparseMoeBlock(h, e, k, inter, renormalize=True, round_weights=True)
+    (w13, s13), (w2, s2) = _fp8_experts(e, h, inter, device, gen)
+    with torch.no_grad():
+        block.gate.weight.copy_(torch.randn(e, h, generator=gen) * h ** -0.5)
+        dense = SparseMoeBlock(h, e, k, inter, renormalize=True, round_weights=True).to(device)
+        dense.gate.weight.copy_(block.gate.weight)
+        dense.experts.w13.copy_(_dequantized(w13, s13))
+        dense.experts.w2.copy_(_dequantized(w2, s2))
+    experts = block.experts
+    experts.w13, experts.w2 = torch.nn.Parameter(w13, False), torch.nn.Parameter(w2, False)
+    experts.w13_scale_inv, experts.w2_scale_inv = torch.nn.Parameter(s13, False), torch.nn.Parameter(s2, False)
+    experts.quant_method = object()  # FP8 experts kept for the kernels (as Fp8ExpertsMethod leaves them on a GPU)
+    x = torch.randn(t, h, generator=gen).to(device, GEMM_DTYPES[0])
+    dense = dense.to(x.dtype)
+    out = block._forward_kernels(x, block.gate.to(x.dtype)(x)).parts.float().sum(0)
+    weights, ids = dense.route_torch(dense.gate(x))
+    expect = dense.experts_torch(x, weights, ids).float()
+    # Two e4m3 roundings of the activations (input and SwiGLU output): 0.043 measured (CPU, fp16).
+    assert ((out - expect).norm() / expect.norm()).item() < 0.08

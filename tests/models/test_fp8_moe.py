@@ -39,7 +39,7 @@ def test_fp8_moe_checkpoint_matches_hf_on_the_dequantized_weights(fp8_moe):
         assert llm.config.quant_config.name == "fp8" and llm.config.quant_config.from_checkpoint
         layers = llm.engine.model_runner.model.model.layers
         experts, dense = layers[0].mlp.experts, layers[1].mlp
-        # The experts are dequantized once at load into the model dtype; their scales are gone.
+        # On the CPU the experts are dequantized once at load into the model dtype; their scales are gone.
         assert experts.w13.dtype == experts.w2.dtype == torch.float32 and experts.quant_method is None
         assert not hasattr(experts, "w13_scale_inv") and not hasattr(experts, "w2_scale_inv")
         assert experts.w13.shape == (8, 512, 200) and experts.w2.shape == (8, 200, 256)

@@ -9,9 +9,8 @@ qkv and gate_up, the SwiGLU before down) then hands it over in that form.
 
 A fused-MoE layer takes quantized experts the same way (`QuantizationConfig.experts_method`): the
 method creates the [E, N, K] expert weights with their [E, ceil(N/128), ceil(K/128)] scales (the
-layer gives each its `weight_loader`) and finishes them once loaded. Block FP8's dequantizes them,
-having no grouped FP8 kernel yet; kernels/fp8_gemm.py's `fp8_mainloop` is the per-tile block-scaled
-product such a kernel would share.
+layer gives each its `weight_loader`) and finishes them once loaded; the layer then reads
+`experts.quant_method` to pick its kernels (block FP8: kernels/moe_gemm.py's W8A8 form).
 """
 from typing import NamedTuple
 

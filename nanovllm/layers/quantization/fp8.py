@@ -15,7 +15,6 @@ elsewhere (the CPU) the weight is dequantized once at load, exactly ``weight * s
 layer becomes a plain one. Without an FP8 checkpoint (random weights for benchmarks, or a bf16
 checkpoint with ``quantization="fp8"``) each weight is quantized to this format once loaded.
 """
-import functools
 from dataclasses import dataclass
 
 import torch
@@ -24,9 +23,7 @@ from torch import nn
 
 from nanovllm.distributed import tp_size
 from nanovllm.layers.quantization.base import ActivationQuant, LinearMethod, QuantizationConfig
-from nanovllm.logger import init_logger
 
-logger = init_logger(__name__)
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = 448.0
 BLOCK = 128
@@ -88,8 +85,8 @@ class Fp8Config(QuantizationConfig):
     def linear_method(self, device: torch.device) -> "Fp8LinearMethod":
         return Fp8LinearMethod(self, device)
 
-    def experts_method(self) -> "Fp8ExpertsMethod":
-        return Fp8ExpertsMethod(self)
+    def experts_method(self, device: torch.device) -> "Fp8ExpertsMethod":
+        return Fp8ExpertsMethod(self, device)
 
 
 def fp8_kernels_available(device: torch.device) -> bool:
@@ -198,15 +195,16 @@ def _fp8_weight_loader(layer: nn.Module):
 class Fp8ExpertsMethod:
     """Block-FP8 experts of a fused-MoE layer (layers/fused_moe.py `StackedExperts`): each stacked
     [E, N, K] weight loads as float8 with its [E, ceil(N/128), ceil(K/128)] scales, one expert's
-    projection at a time (`StackedExperts.weight_loader` / `scale_loader`). There is no grouped FP8
-    kernel yet, so once loaded the experts are dequantized, exactly ``weight * scale`` as every layer
-    is on the CPU, into the model dtype, and the layer runs its 16-bit kernels (on the GPU the
-    checkpoint then holds the experts at 2 bytes a weight; its attention and dense projections keep
-    their FP8 kernels). Without an FP8 checkpoint (random weights, ``quantization="fp8"``) each expert
-    is rounded through the format once, so that its products are an FP8 checkpoint's."""
+    projection at a time (`StackedExperts.weight_loader` / `scale_loader`). On a GPU with FP8 tensor
+    cores the experts stay float8 (`kernels`) and the layer runs the grouped W8A8 GEMMs of
+    kernels/moe_gemm.py; elsewhere (the CPU) they are dequantized once loaded, exactly ``weight *
+    scale``, into the model dtype, and the layer runs HF's arithmetic. Without an FP8 checkpoint
+    (random weights, or a 16-bit one with ``quantization="fp8"``) each expert is quantized once
+    loaded (on the CPU rounded through the format in place)."""
 
-    def __init__(self, config: Fp8Config):
+    def __init__(self, config: Fp8Config, device: torch.device):
         self.config = config
+        self.kernels = fp8_kernels_available(device)
         self.dtype = torch.get_default_dtype()  # the model's activation dtype (build_model sets it)
 
     def create_weights(self, experts: nn.Module, shapes: dict[str, tuple[int, int, int]]):
@@ -225,6 +223,16 @@ class Fp8ExpertsMethod:
     def process_weights_after_loading(self, experts: nn.Module):
         for name in ("w13", "w2"):
             param = getattr(experts, name)
+            if self.kernels:  # float8 weights and fp32 scales, as the grouped kernels read them
+                if self.config.from_checkpoint:
+                    q, scale = param.data, getattr(experts, name + "_scale_inv").data.float()
+                else:  # an expert at a time: the 16-bit weights, then their quantized copy
+                    pairs = [quantize_weight_blocks(param.data[e]) for e in range(param.shape[0])]
+                    q, scale = torch.stack([p[0] for p in pairs]), torch.stack([p[1] for p in pairs])
+                    del pairs
+                setattr(experts, name, nn.Parameter(q.contiguous(), requires_grad=False))
+                setattr(experts, name + "_scale_inv", nn.Parameter(scale.contiguous(), requires_grad=False))
+                continue
             if not self.config.from_checkpoint:  # in place, an expert at a time: no second copy
                 for e in range(param.shape[0]):
                     param.data[e] = dequantize_weight_blocks(*quantize_weight_blocks(param.data[e])).to(param.dtype)
@@ -235,10 +243,5 @@ class Fp8ExpertsMethod:
                 out[e] = dequantize_weight_blocks(param.data[e], scale[e]).to(self.dtype)
             setattr(experts, name, nn.Parameter(out, requires_grad=False))
             delattr(experts, name + "_scale_inv")
-        experts.quant_method = None
-        _note_dequantized_experts(self.dtype)
-
-
-@functools.lru_cache(maxsize=None)
-def _note_dequantized_experts(dtype: torch.dtype):
-    logger.info("block-FP8 experts dequantized to %s once loaded: there is no grouped FP8 kernel yet", dtype)
+        if not self.kernels:
+            experts.quant_method = None
