@@ -2,6 +2,7 @@
 intermediate 768, bf16) against a plain torch per-expert loop, at decode and prefill token counts.
 
     python scripts/gpu_kernels.py moe [--tokens 1,8,64,256,4096] [--tp 2] [--sweep [--block-m 16,32]]      (GPU)
+    python scripts/gpu_kernels.py moe --fp8      block-FP8 experts (W8A8: activations in 1 x 128 groups)
 
 Per token count T: the fused path (router GEMM, top-k, align, gate_up, down; one CUDA graph over
 COPIES layers' weights, so every call streams its experts from HBM as in a model) and its stages
@@ -10,7 +11,9 @@ SiLU, down, weight, index_add; eager: it syncs to find the experts), the ratio, 
 the achieved bandwidth: the bytes of the routed experts' weights (+ the router) over the time, against
 the copy bandwidth measured as bench.py measures it. First a bf16 check of the fused output against the
 loop at every T. --sweep: each GEMM's tiles over a grid of variants at each T (the table's entry first),
-the best per GEMM printed as a `moe_gemm._TABLE` candidate.
+the best per GEMM printed as a `moe_gemm._TABLE` candidate. --fp8: the experts in block FP8 (one byte a
+weight, fp32 scales per 128 x 128 block), the torch loop over their dequantized form, the bytes counted
+at a byte a weight; the check's tolerance then covers the activations' two e4m3 roundings.
 """
 import argparse
 import itertools
@@ -21,8 +24,10 @@ import triton
 import triton.testing
 
 from bench import measure_device
+from nanovllm.kernels.fp8_quant import per_token_group_quant
 from nanovllm.kernels.moe_gemm import MoeTile, moe_config, moe_down, moe_gate_up, parts_dtype
 from nanovllm.kernels.moe_routing import route
+from nanovllm.layers.quantization.fp8 import dequantize_weight_blocks, quantize_weight_blocks
 
 E, TOP_K, HIDDEN, INTER = 128, 8, 2048, 768
 COPIES = 4  # layers' weights the timed graph rotates over (4 x 1.2 GB: far past L2)
@@ -35,17 +40,44 @@ def per_call_us(fn, copies: int = COPIES) -> float:
 
 
 class Layer:
-    def __init__(self, inter: int, dtype, device, seed: int):
+    def __init__(self, inter: int, dtype, device, seed: int, fp8: bool = False):
+        """fp8: w13 / w2 in block FP8 with their scales s13 / s2; ref13 / ref2 their dequantized form (the
+        torch loop's); else all four name the 16-bit weights (s13 = s2 = None)."""
         g = torch.Generator(device=device).manual_seed(seed)
         self.router = torch.randn(E, HIDDEN, generator=g, device=device, dtype=dtype) * HIDDEN ** -0.5
         self.w13 = torch.randn(E, 2 * inter, HIDDEN, generator=g, device=device, dtype=dtype) * HIDDEN ** -0.5
         self.w2 = torch.randn(E, HIDDEN, inter, generator=g, device=device, dtype=dtype) * inter ** -0.5
+        self.ref13, self.ref2, self.s13, self.s2 = self.w13, self.w2, None, None
+        if fp8:
+            (self.w13, self.s13), (self.w2, self.s2) = (_quantized(w) for w in (self.w13, self.w2))
+            self.ref13, self.ref2 = _dequantized(self.w13, self.s13, dtype), _dequantized(self.w2, self.s2, dtype)
+
+
+def _quantized(w):
+    pairs = [quantize_weight_blocks(w[e]) for e in range(w.shape[0])]
+    return torch.stack([q for q, _ in pairs]), torch.stack([s for _, s in pairs])
+
+
+def _dequantized(w, scale, dtype):
+    return torch.stack([dequantize_weight_blocks(w[e], scale[e]).to(dtype) for e in range(w.shape[0])])
+
+
+def gate_up(x, layer: Layer, routing, tile):
+    """The gated GEMM as the engine runs it (FP8 experts: on x quantized in 1 x 128 groups)."""
+    if layer.s13 is None:
+        return moe_gate_up(x, layer.w13, routing, tile)
+    return moe_gate_up(per_token_group_quant(x), layer.w13, routing, tile, layer.s13)
+
+
+def down(act, layer: Layer, routing, tile, parts):
+    if layer.s2 is None:
+        return moe_down(act, layer.w2, routing, tile, parts)
+    return moe_down(per_token_group_quant(act), layer.w2, routing, tile, parts, layer.s2)
 
 
 def fused(x, layer: Layer, config, parts):
     routing = route(F.linear(x, layer.router), TOP_K, config.block_m, True, True)
-    act = moe_gate_up(x, layer.w13, routing, config.gate_up)
-    moe_down(act, layer.w2, routing, config.down, parts)
+    down(gate_up(x, layer, routing, config.gate_up), layer, routing, config.down, parts)
     return routing
 
 
@@ -57,8 +89,8 @@ def torch_loop(x, layer: Layer):
     out = torch.zeros_like(x)
     for e in torch.unique(ids).tolist():
         slot, token = torch.where((ids == e).T)
-        gate, up = F.linear(x[token], layer.w13[e]).chunk(2, dim=-1)
-        h = F.linear(F.silu(gate) * up, layer.w2[e]) * weights[token, slot, None]
+        gate, up = F.linear(x[token], layer.ref13[e]).chunk(2, dim=-1)
+        h = F.linear(F.silu(gate) * up, layer.ref2[e]) * weights[token, slot, None]
         out.index_add_(0, token, h)
     return out
 
@@ -85,31 +117,32 @@ def main(argv=None, prog=None):
     ap.add_argument("--tp", type=int, default=1, help="the expert intermediate size of one of this many ranks")
     ap.add_argument("--sweep", action="store_true", help="tile variants at each of --tokens (~1-2 min per count)")
     ap.add_argument("--block-m", default="", help="with --sweep: row blocks to try beside the table's, e.g. 16,32,64")
+    ap.add_argument("--fp8", action="store_true", help="block-FP8 experts (W8A8)")
     args = ap.parse_args(argv)
     dev, dt = torch.device("cuda"), torch.bfloat16
     inter = INTER // args.tp
     bandwidth, _ = measure_device(dev)
-    layers = [Layer(inter, dt, dev, seed) for seed in range(COPIES)]
-    expert_bytes = 3 * HIDDEN * inter * 2
+    layers = [Layer(inter, dt, dev, seed, args.fp8) for seed in range(COPIES)]
+    expert_bytes = 3 * HIDDEN * inter * (1 if args.fp8 else 2)
     print(f"{torch.cuda.get_device_name(dev)}: copy bandwidth {bandwidth / 1e12:.2f} TB/s; layer: {E} experts of "
-          f"[{HIDDEN} x {inter}] (tp={args.tp}), top-{TOP_K}, {dt}")
+          f"[{HIDDEN} x {inter}] (tp={args.tp}), top-{TOP_K}, {'block FP8 experts, ' if args.fp8 else ''}{dt}")
     for t in [int(v) for v in args.tokens.split(",")]:
         xs = [torch.randn(t, HIDDEN, device=dev, dtype=dt) for _ in range(COPIES)]
-        config = moe_config(t, HIDDEN, inter, dt)
+        config = moe_config(t, HIDDEN, inter, dt, args.fp8)
         parts = torch.empty(TOP_K, t, HIDDEN, device=dev, dtype=parts_dtype(t, HIDDEN, TOP_K, dt))  # as the engine
         routing = fused(xs[0], layers[0], config, parts)
         expect = torch_loop(xs[0], layers[0]).float()
         err = ((parts.float().sum(0) - expect).abs().max() / expect.abs().max()).item()
-        status = "ok" if err < 2e-2 else "MISMATCH"
+        status = "ok" if err < (1e-1 if args.fp8 else 2e-2) else "MISMATCH"
         distinct = sum(len(torch.unique(fused(x, l, config, parts).ids)) for x, l in zip(xs, layers)) / COPIES
         t_fused = per_call_us(lambda i: fused(xs[i], layers[i], config, parts))
         t_router = per_call_us(lambda i: F.linear(xs[i], layers[i].router))
         logits = [F.linear(x, l.router) for x, l in zip(xs, layers)]
         routings = [route(lg, TOP_K, config.block_m, True, True) for lg in logits]
-        acts = [moe_gate_up(x, l.w13, r, config.gate_up) for x, l, r in zip(xs, layers, routings)]
+        acts = [gate_up(x, l, r, config.gate_up) for x, l, r in zip(xs, layers, routings)]
         t_route = per_call_us(lambda i: route(logits[i], TOP_K, config.block_m, True, True))
-        t_gate_up = per_call_us(lambda i: moe_gate_up(xs[i], layers[i].w13, routings[i], config.gate_up))
-        t_down = per_call_us(lambda i: moe_down(acts[i], layers[i].w2, routings[i], config.down, parts))
+        t_gate_up = per_call_us(lambda i: gate_up(xs[i], layers[i], routings[i], config.gate_up))
+        t_down = per_call_us(lambda i: down(acts[i], layers[i], routings[i], config.down, parts))
         t_loop = eager_us(lambda: torch_loop(xs[0], layers[0]))
         line = (f"T={t:5d} {status} (rel err {err:.1e}) {distinct:5.1f} experts | fused {t_fused:7.1f} us (router "
                 f"{t_router:.1f}, top-k+align {t_route:.1f}, gate_up {t_gate_up:.1f}, down {t_down:.1f}) | torch loop "
@@ -121,7 +154,7 @@ def main(argv=None, prog=None):
             line += (f" | expert GEMMs {gemm_bw / 1e12:.2f} TB/s = {gemm_bw / bandwidth:.0%}, layer {layer_bw / 1e12:.2f}"
                      f" TB/s = {layer_bw / bandwidth:.0%} of copy")
         print(line, flush=True)
-        if args.sweep:
+        if args.sweep and not args.fp8:  # the sweep's variants are the 16-bit tiles'
             sweep(t, xs, layers, logits, inter, config, parts, [int(v) for v in args.block_m.split(",") if v])
 
 
