@@ -8,7 +8,6 @@ batch's launch), and `sample(output, fill_masks)`, called once the engine has ta
 previous step's tokens (on a GPU: at the next step, before its forward pass), has the grammar fill
 the bitmasks into pinned memory, sends them in one copy and launches the draw, while the forward
 pass runs on the device."""
-from dataclasses import dataclass
 from operator import attrgetter
 from pathlib import Path
 
@@ -23,104 +22,21 @@ from nanovllm.engine.scheduler import ScheduledBatch
 from nanovllm.engine.sequence import Sequence
 from nanovllm.layers.cpu_int4 import attach_int4_weights
 from nanovllm.layers.cpu_linear import pack_linear_weights
-from nanovllm.layers.sampler import LogprobsLists, Sampler, SamplerOutput
+from nanovllm.layers.sampler import Sampler, SamplerOutput
 from nanovllm.layers.sampling_metadata import SamplingMetadata
 from nanovllm.models.gguf_q4 import Q4_BLOCKS_FILE
 from nanovllm.models.loader import build_model, init_dummy_weights, load_weights, process_weights_after_loading
 from nanovllm.spec_decode.config import draft_memory
 from nanovllm.worker.gemm_warmup import warm_gemms
 from nanovllm.worker.grammar_masks import BitmaskBuffers, MaskFillStats, timed_fill
-from nanovllm.worker.inputs import (HostInputs, HostToDevice, TransferSlots, build_host_inputs, fill_decode_inputs,
+from nanovllm.worker.inputs import (HostInputs, HostToDevice, build_host_inputs, fill_decode_inputs,
                                     kv_copies_array, to_device)
 from nanovllm.worker.sampling_inputs import build_sampling_metadata
+from nanovllm.worker.step_output import DeferredDraw, PinnedTokenRing, StepOutput
 
 _CPU_DEFAULT_KV_BYTES = 512 << 20
 _seq_id = attrgetter("seq_id")
 _plain_sampling = attrgetter("plain_sampling")
-
-
-@dataclass
-class _DeferredDraw:
-    """A launched forward pass whose draw waits for grammar masks (`ModelRunner.sample`)."""
-    logits: torch.Tensor
-    meta: SamplingMetadata | None       # None: the graphs' default draw
-    graph_bs: int | None                # the decode graphs' padded batch, or None (eager)
-    forward_done: torch.cuda.Event | None
-
-
-class StepOutput:
-    """What one step sampled, still on the device until `token_ids()` is called."""
-
-    # How to wait for the step's event; a tensor-parallel executor replaces it on its outputs with
-    # a wait that watches the workers meanwhile.
-    wait_for = staticmethod(torch.cuda.Event.synchronize)
-
-    def __init__(self, seqs: list[Sequence], sampled: SamplerOutput | None, host: SamplerOutput | None = None,
-                 event=None, deferred: _DeferredDraw | None = None, drafts: list[list[int]] | None = None,
-                 rows: np.ndarray | None = None, ring: "PinnedTokenRing | None" = None):
-        """Either `sampled` (copied here into `ring`, or fresh pinned memory), or `host` copies already queued
-        with the `event` recorded after them, or `deferred`: nothing drawn yet (see `awaits_masks`).
-        drafts (a verification step): per sequence the drafts it verified; its rows are then
-        len + 1 consecutive rows of token_ids(), one per position. rows: which of the drawn rows
-        are the step's, in order (a CUDA graph's padding left out), or None: all."""
-        self.seqs = seqs
-        self.deferred = deferred
-        self.drafts = drafts
-        self._rows = rows
-        self._complete(sampled, host, event, ring)
-
-    @property
-    def awaits_masks(self) -> bool:
-        """The step's draw waits for `ModelRunner.sample` (its rows' grammar masks)."""
-        return self.deferred is not None
-
-    def _complete(self, sampled: SamplerOutput | None, host: SamplerOutput | None = None, event=None,
-                  ring: "PinnedTokenRing | None" = None):
-        """ring: where a draw without logprobs copies its tokens (a reused pinned buffer and event)."""
-        self._host, self._event = host, event
-        if sampled is None:
-            return
-        if not sampled.token_ids.is_cuda:
-            self._host = sampled
-        elif ring is not None and sampled.logprobs is None:
-            self._host, self._event = ring.copy(sampled.token_ids)
-        else:  # logprobs: fresh pinned copies of every field
-            self._host = sampled.to_host()
-            self._event = torch.cuda.Event()
-            self._event.record()
-
-    def token_ids(self) -> list[int]:
-        """One token per sequence, or per verified position (see `drafts`)."""
-        if self._host is None:
-            return []
-        if self._event is not None:
-            self.wait_for(self._event)
-            self._event = None
-        if self._rows is not None:
-            return self._host.token_ids.numpy()[self._rows].tolist()
-        return self._host.token_ids.tolist()
-
-    def logprobs(self) -> LogprobsLists | None:
-        """Per-row logprobs (after token_ids()), or None when no sequence of the step asked."""
-        return None if self._host is None else self._host.logprobs_lists()
-
-
-class PinnedTokenRing:
-    """Pinned host buffers (with their events) that sampled token ids are copied into, reused in
-    rotation: the engine reads a step's tokens one step later, long before a buffer comes round."""
-
-    def __init__(self, max_rows: int, size: int = 4):
-        self._buffers = [torch.zeros(max_rows, dtype=torch.int64, pin_memory=True) for _ in range(size)]
-        self._slots = TransferSlots(size)
-
-    def copy(self, tokens: torch.Tensor) -> tuple[SamplerOutput, torch.cuda.Event]:
-        """Queue the copy of tokens; (their host copy, the event to wait for before reading it)."""
-        i = self._slots.take()
-        host = self._buffers[i][:tokens.shape[0]]
-        if host.shape[0] < tokens.shape[0]:  # start-up's compile batches (up to 8 rows) under a small max_num_seqs
-            host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
-        host.copy_(tokens, non_blocking=True)
-        return SamplerOutput(host), self._slots.copied(i)
 
 
 class ModelRunner:
@@ -430,7 +346,7 @@ class ModelRunner:
         or (defer_sampling) the step whose draw `sample` launches."""
         meta = self._sampling_metadata(seqs, drafts)
         if defer_sampling:
-            return StepOutput(seqs, None, deferred=_DeferredDraw(logits, meta, None, self._forward_done()),
+            return StepOutput(seqs, None, deferred=DeferredDraw(logits, meta, None, self._forward_done()),
                               drafts=drafts)
         return StepOutput(seqs, self._draw(seqs, logits, meta, drafts is not None), drafts=drafts,
                           ring=self._token_ring)
@@ -518,7 +434,7 @@ class ModelRunner:
         logits = g.logits[:n]
         meta = None if plain else self._sampling_metadata(seqs)
         if defer_sampling:
-            return StepOutput(seqs, None, deferred=_DeferredDraw(logits, meta, bs, self._forward_done()))
+            return StepOutput(seqs, None, deferred=DeferredDraw(logits, meta, bs, self._forward_done()))
         if not plain:
             return StepOutput(seqs, self._draw(seqs, logits, meta), ring=self._token_ring)
         self._remember_sampled(seqs, g.sampled)

@@ -40,7 +40,8 @@ import torch.multiprocessing as mp
 from nanovllm import distributed
 from nanovllm.config import Config, torch_threads
 from nanovllm.engine.scheduler import ScheduledBatch
-from nanovllm.worker.model_runner import ModelRunner, StepOutput
+from nanovllm.worker.model_runner import ModelRunner
+from nanovllm.worker.step_output import StepOutput
 from nanovllm.worker.tp_worker import STOP, rank_device, worker_main
 
 _STOP_GRACE_S = 5.0     # how long a stopping worker may take before it is terminated
