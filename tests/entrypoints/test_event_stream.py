@@ -1,11 +1,11 @@
-"""The SSE response (serving._EventStream): the first chunk is written in the turn of the event loop
+"""The SSE response (request_job._EventStream): the first chunk is written in the turn of the event loop
 that starts the response; a client that disconnects cancels the stream; the stream's own error
 comes out as itself."""
 import asyncio
 
 import pytest
 
-from nanovllm.entrypoints.openai.serving import _EventStream
+from nanovllm.entrypoints.openai.request_job import _EventStream
 
 _SCOPE = {"type": "http", "asgi": {"version": "3.0", "spec_version": "2.3"}}
 

@@ -2,7 +2,7 @@
 import asyncio
 
 from nanovllm.engine.request_output import CompletionOutput, RequestOutput
-from nanovllm.entrypoints.openai.serving import _Job
+from nanovllm.entrypoints.openai.request_job import Job
 
 
 class _Handle:
@@ -12,7 +12,7 @@ class _Handle:
 
 def test_queued_deltas_merge_into_one_output_per_choice():
     async def scenario():
-        job = _Job("cmpl-1", "m", 1, [_Handle("a"), _Handle("b")], [[1, 2], [3]])
+        job = Job("cmpl-1", "m", 1, [_Handle("a"), _Handle("b")], [[1, 2], [3]])
         queue: asyncio.Queue = asyncio.Queue()
         queue.put_nowait(RequestOutput("a", [CompletionOutput(0, "he", [5], [{"logprob": -1.0}], num_tokens=1)]))
         queue.put_nowait(RequestOutput("b", [CompletionOutput(0, "x", [7], None, num_tokens=1)]))
@@ -40,7 +40,7 @@ def test_a_failure_mid_stream_ends_the_open_choices_as_aborted():
     from nanovllm.engine.request_output import RequestRejected
 
     async def scenario():
-        job = _Job("cmpl-1", "m", 2, [_Handle("a")], [[1, 2]])
+        job = Job("cmpl-1", "m", 2, [_Handle("a")], [[1, 2]])
         queue: asyncio.Queue = asyncio.Queue()
         queue.put_nowait(RequestOutput("a", [CompletionOutput(0, "x", [5], None, num_tokens=1),
                                              CompletionOutput(1, "y", [6], None, "stop", num_tokens=1)]))
