@@ -196,18 +196,20 @@ def moe_align(ids, num_experts, block_m):
             len(sorted_ids))
 
 
-def moe_gate_up(x, w13, ids):
+def moe_gate_up(x, w13, ids, dtype=None):
     """Reference of `moe_gate_up`: row t * k + j = silu(x[t] @ gate^T) * (x[t] @ up^T) of expert
-    ids[t, j], rounded as the kernel rounds (each product, then the SiLU, then their product)."""
+    ids[t, j], rounded as the kernel rounds (each product, then the SiLU, then their product) to
+    dtype (default x's; dequantized FP8 operands come in fp32)."""
     t, k = ids.shape
     inter = w13.shape[1] // 2
-    out = torch.empty(t * k, inter, dtype=x.dtype, device=x.device)
+    dtype = dtype or x.dtype
+    out = torch.empty(t * k, inter, dtype=dtype, device=x.device)
     flat = ids.flatten().long()
     for e in flat.unique().tolist():
         rows = (flat == e).nonzero().flatten()
-        gate_up = (x[rows // k].float() @ w13[e].float().T).to(x.dtype).float()
-        silu = F.silu(gate_up[:, :inter]).to(x.dtype).float()
-        out[rows] = (silu * gate_up[:, inter:]).to(x.dtype)
+        gate_up = (x[rows // k].float() @ w13[e].float().T).to(dtype).float()
+        silu = F.silu(gate_up[:, :inter]).to(dtype).float()
+        out[rows] = (silu * gate_up[:, inter:]).to(dtype)
     return out
 
 

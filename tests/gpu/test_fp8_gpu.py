@@ -69,7 +69,7 @@ def _reference_gemms(monkeypatch):
         if w_scale is None:
             return gate_up_kernels(x, w13, routing, tile)
         x_dq = ref.dequantize_groups(x.data[:x.rows], x.scale[:, :x.rows].t())
-        return ref.moe_gate_up(x_dq, experts(w13, w_scale), routing.ids).to(x.dtype)
+        return ref.moe_gate_up(x_dq, experts(w13, w_scale), routing.ids, x.dtype)
 
     def moe_down(act, w2, routing, tile, parts, w_scale=None):
         if w_scale is None:
