@@ -27,7 +27,7 @@ from bench import measure_device
 from nanovllm.kernels.fp8_quant import per_token_group_quant
 from nanovllm.kernels.moe_gemm import MoeTile, moe_config, moe_down, moe_gate_up, parts_dtype
 from nanovllm.kernels.moe_routing import route
-from nanovllm.layers.quantization.fp8 import dequantize_weight_blocks, quantize_weight_blocks
+from nanovllm.layers.quantization.fp8 import dequantize_experts, quantize_experts
 
 E, TOP_K, HIDDEN, INTER = 128, 8, 2048, 768
 COPIES = 4  # layers' weights the timed graph rotates over (4 x 1.2 GB: far past L2)
@@ -49,17 +49,8 @@ class Layer:
         self.w2 = torch.randn(E, HIDDEN, inter, generator=g, device=device, dtype=dtype) * inter ** -0.5
         self.ref13, self.ref2, self.s13, self.s2 = self.w13, self.w2, None, None
         if fp8:
-            (self.w13, self.s13), (self.w2, self.s2) = (_quantized(w) for w in (self.w13, self.w2))
-            self.ref13, self.ref2 = _dequantized(self.w13, self.s13, dtype), _dequantized(self.w2, self.s2, dtype)
-
-
-def _quantized(w):
-    pairs = [quantize_weight_blocks(w[e]) for e in range(w.shape[0])]
-    return torch.stack([q for q, _ in pairs]), torch.stack([s for _, s in pairs])
-
-
-def _dequantized(w, scale, dtype):
-    return torch.stack([dequantize_weight_blocks(w[e], scale[e]).to(dtype) for e in range(w.shape[0])])
+            (self.w13, self.s13), (self.w2, self.s2) = quantize_experts(self.w13), quantize_experts(self.w2)
+            self.ref13, self.ref2 = dequantize_experts(self.w13, self.s13, dtype), dequantize_experts(self.w2, self.s2, dtype)
 
 
 def gate_up(x, layer: Layer, routing, tile):

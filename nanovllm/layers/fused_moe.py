@@ -86,37 +86,31 @@ class StackedExperts(nn.Module):
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: tuple[int, int]):
         """shard_id = (expert, 0 for gate / 1 for up); w2 takes (expert, 0)."""
-        expert, which = shard_id
-        local = self.intermediate_size
-        full = local * tp_size()
-        if not 0 <= expert < self.num_experts:
-            raise ValueError(f"checkpoint has expert {expert}, but the config has num_experts={self.num_experts}")
-        if param is self.w13:
-            expected, dim, dst = (full, self.hidden_size), 0, param.data[expert, which * local:(which + 1) * local]
-        else:
-            expected, dim, dst = (self.hidden_size, full), 1, param.data[expert]
-        if tuple(loaded.shape) != expected:
-            raise ValueError(f"expert {expert} weight has shape {tuple(loaded.shape)}, expected {expected} "
-                             "(hidden_size x the experts' intermediate size in the config)")
-        dst.copy_(loaded.narrow(dim, tp_rank() * local, local))
+        self._load_slice(param is self.w13, param, loaded, shard_id, self.intermediate_size, self.hidden_size,
+                         "weight", "hidden_size x the experts' intermediate size in the config")
 
     def scale_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: tuple[int, int]):
         """One expert projection's block scales ([ceil(N/128), ceil(K/128)] of its [N, K] weight) into
         `w13_scale_inv` / `w2_scale_inv`, this rank's blocks: the intermediate size per rank fills
         whole blocks (models/llama.py `check_block_quantization`), so gate, up and the shards stack."""
-        expert, which = shard_id
         block = param.block_size
-        local = self.intermediate_size // block
-        hidden = -(-self.hidden_size // block)
+        self._load_slice(param is self.w13_scale_inv, param, loaded, shard_id, self.intermediate_size // block,
+                         -(-self.hidden_size // block), "weight_scale_inv",
+                         f"one scale per {block}x{block} block of the expert's weight")
+
+    def _load_slice(self, gate_up: bool, param, loaded, shard_id, local: int, hidden: int, what: str, why: str):
+        """This rank's `local` rows (gate_up: of the gate or up half, by shard) or columns (down) of one
+        expert's checkpoint tensor, [local * ranks, hidden] or [hidden, local * ranks], into param[expert]."""
+        expert, which = shard_id
         if not 0 <= expert < self.num_experts:
             raise ValueError(f"checkpoint has expert {expert}, but the config has num_experts={self.num_experts}")
-        if param is self.w13_scale_inv:
-            expected, dim, dst = (local * tp_size(), hidden), 0, param.data[expert, which * local:(which + 1) * local]
+        full = local * tp_size()
+        if gate_up:
+            expected, dim, dst = (full, hidden), 0, param.data[expert, which * local:(which + 1) * local]
         else:
-            expected, dim, dst = (hidden, local * tp_size()), 1, param.data[expert]
+            expected, dim, dst = (hidden, full), 1, param.data[expert]
         if tuple(loaded.shape) != expected:
-            raise ValueError(f"expert {expert} weight_scale_inv has shape {tuple(loaded.shape)}, expected {expected} "
-                             f"(one scale per {block}x{block} block of the expert's weight)")
+            raise ValueError(f"expert {expert} {what} has shape {tuple(loaded.shape)}, expected {expected} ({why})")
         dst.copy_(loaded.narrow(dim, tp_rank() * local, local))
 
 

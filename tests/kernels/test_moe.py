@@ -184,12 +184,9 @@ FP8_SHAPE = (128, 8, 2048, 768) if ON_GPU else (8, 2, 200, 128)
 
 
 def _fp8_experts(e, h, inter, device, gen):
-    from nanovllm.layers.quantization.fp8 import quantize_weight_blocks
-    out = []
-    for n, k in ((2 * inter, h), (h, inter)):
-        pairs = [quantize_weight_blocks(torch.randn(n, k, generator=gen) * k ** -0.5) for _ in range(e)]
-        out.append((torch.stack([q for q, _ in pairs]).to(device), torch.stack([s for _, s in pairs]).to(device)))
-    return out
+    from nanovllm.layers.quantization.fp8 import quantize_experts
+    return [tuple(t.to(device) for t in quantize_experts(torch.randn(e, n, k, generator=gen) * k ** -0.5))
+            for n, k in ((2 * inter, h), (h, inter))]
 
 
 def _dequantized(w, scale):

@@ -58,7 +58,7 @@ class QuantizationConfig:
     def linear_method(self, device: torch.device) -> LinearMethod:
         raise NotImplementedError
 
-    def experts_method(self):
+    def experts_method(self, device: torch.device):
         """The method of a fused-MoE layer's stacked experts (`create_weights(experts, shapes)`,
         `process_weights_after_loading(experts)`)."""
         raise NotImplementedError

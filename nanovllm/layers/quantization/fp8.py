@@ -51,6 +51,21 @@ def dequantize_weight_blocks(q: torch.Tensor, scale: torch.Tensor, block: int = 
     return q.float() * s
 
 
+def quantize_experts(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Stacked experts [E, N, K] -> (float8_e4m3fn [E, N, K], fp32 [E, ceil(N/128), ceil(K/128)]), an expert
+    at a time (`quantize_weight_blocks`)."""
+    pairs = [quantize_weight_blocks(w[e]) for e in range(w.shape[0])]
+    return torch.stack([q for q, _ in pairs]), torch.stack([s for _, s in pairs])
+
+
+def dequantize_experts(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """The inverse: [E, N, K] in dtype, exactly q * scale per block, an expert at a time (no fp32 copy of all)."""
+    out = torch.empty(q.shape, dtype=dtype, device=q.device)
+    for e in range(q.shape[0]):
+        out[e] = dequantize_weight_blocks(q[e], scale[e]).to(dtype)
+    return out
+
+
 @dataclass(frozen=True)
 class Fp8Config(QuantizationConfig):
     """Block FP8 with [128, 128] weight blocks and dynamic 1 x 128 activation groups.
@@ -226,10 +241,8 @@ class Fp8ExpertsMethod:
             if self.kernels:  # float8 weights and fp32 scales, as the grouped kernels read them
                 if self.config.from_checkpoint:
                     q, scale = param.data, getattr(experts, name + "_scale_inv").data.float()
-                else:  # an expert at a time: the 16-bit weights, then their quantized copy
-                    pairs = [quantize_weight_blocks(param.data[e]) for e in range(param.shape[0])]
-                    q, scale = torch.stack([p[0] for p in pairs]), torch.stack([p[1] for p in pairs])
-                    del pairs
+                else:  # the 16-bit weights, then their quantized copy
+                    q, scale = quantize_experts(param.data)
                 setattr(experts, name, nn.Parameter(q.contiguous(), requires_grad=False))
                 setattr(experts, name + "_scale_inv", nn.Parameter(scale.contiguous(), requires_grad=False))
                 continue
@@ -237,10 +250,7 @@ class Fp8ExpertsMethod:
                 for e in range(param.shape[0]):
                     param.data[e] = dequantize_weight_blocks(*quantize_weight_blocks(param.data[e])).to(param.dtype)
                 continue
-            scale = getattr(experts, name + "_scale_inv").data
-            out = torch.empty(param.shape, dtype=self.dtype, device=param.device)
-            for e in range(param.shape[0]):
-                out[e] = dequantize_weight_blocks(param.data[e], scale[e]).to(self.dtype)
+            out = dequantize_experts(param.data, getattr(experts, name + "_scale_inv").data, self.dtype)
             setattr(experts, name, nn.Parameter(out, requires_grad=False))
             delattr(experts, name + "_scale_inv")
         if not self.kernels:
