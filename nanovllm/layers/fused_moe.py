@@ -86,6 +86,9 @@ class StackedExperts(nn.Module):
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: tuple[int, int]):
         """shard_id = (expert, 0 for gate / 1 for up); w2 takes (expert, 0)."""
+        if param.dtype == torch.float8_e4m3fn and loaded.dtype != param.dtype:
+            raise ValueError(f"expert {shard_id[0]} weight is {loaded.dtype}, expected float8_e4m3fn with its "
+                             "weight_scale_inv: experts left unquantized in an FP8 checkpoint are not supported")
         self._load_slice(param is self.w13, param, loaded, shard_id, self.intermediate_size, self.hidden_size,
                          "weight", "hidden_size x the experts' intermediate size in the config")
 

@@ -91,3 +91,17 @@ def test_fp8_quantization_of_qwen2_moe_is_refused(model_factory):
     with pytest.raises(ValueError, match=r"quantization='fp8': Qwen2MoeForCausalLM has no quantized layers yet "
                                          r"\(Qwen2-MoE's shared expert has no FP8 form\)"):
         LLM(model_factory("qwen2_moe"), quantization="fp8")
+
+
+def test_an_expert_left_unquantized_is_refused(fp8_moe, tmp_path):
+    from safetensors.torch import load_file, save_file
+    import shutil
+    path = str(tmp_path / "bf16_expert")
+    shutil.copytree(fp8_moe[0], path)
+    tensors = load_file(os.path.join(path, "model.safetensors"))
+    name = "model.layers.0.mlp.experts.5.up_proj.weight"
+    tensors[name] = tensors[name].to(torch.bfloat16)
+    del tensors[name + "_scale_inv"]
+    save_file(tensors, os.path.join(path, "model.safetensors"))
+    with pytest.raises(ValueError, match="expert 5 weight is torch.bfloat16, expected float8_e4m3fn"):
+        LLM(path, dtype="float32")
