@@ -4,8 +4,10 @@
     python scripts/tune.py decode --buckets  (default config only, batch sizes 8-256: efficiency per
                                               batch size, the engine's split count against others)
     python scripts/tune.py decode --splits 8,16,24,32   (every split count 1-12 at these batch sizes, default config)
-    python scripts/tune.py decode --kv-fp8   (the full sweep over a float8_e4m3fn cache: half the bytes a
-                                              tile, so the best tile, warps and depth may differ)
+    python scripts/tune.py decode --kv-fp8   (the tiles over a float8_e4m3fn cache: half the bytes a tile, so
+                                              the best tile, warps and depth may differ; the engine's dispatch
+                                              order and split count only, ~60 configs a batch)
+    python scripts/tune.py decode --batches "B=256 mid,B=32 tail"   (only these of the batches below)
 
 For each batch (context lengths drawn like the nano-vllm workload at several points of its run)
 it times every (BLOCK_N, num_warps, num_stages) with and without longest-first dispatch and a few
@@ -108,7 +110,9 @@ def main(argv=None, prog=None):
     ap.add_argument("--configs", default="64,4,3,1 64,4,3,0 64,4,4,1",
                     help="with --buckets: BLOCK_N,warps,stages,prefetch_blocks (0/1); the first is the default")
     ap.add_argument("--splits", help="comma-separated batch sizes: every split count 1-12 at each")
-    ap.add_argument("--kv-fp8", action="store_true", help="the full sweep over an FP8 cache (per-head scales 1.0)")
+    ap.add_argument("--kv-fp8", action="store_true",
+                    help="the tiles over an FP8 cache (per-head scales 1.0), at the engine's order and split count")
+    ap.add_argument("--batches", help="comma-separated batch names (e.g. 'B=256 mid'): only these")
     args = ap.parse_args(argv)
     torch.manual_seed(0)
     random.seed(0)
@@ -130,6 +134,16 @@ def main(argv=None, prog=None):
         "B=128 late": [random.randint(100, 1024) + random.randint(500, 900) for _ in range(128)],
         "B=32 tail": [random.randint(100, 1024) + random.randint(900, 1000) for _ in range(32)],
     }
+    if args.batches:
+        unknown = set(args.batches.split(",")) - set(batches)
+        if unknown:
+            raise SystemExit(f"--batches: unknown {sorted(unknown)}; the batches are {list(batches)}")
+        batches = {name: lens for name, lens in batches.items() if name in args.batches.split(",")}
+    if args.batches:
+        unknown = set(args.batches.split(",")) - set(batches)
+        if unknown:
+            raise SystemExit(f"--batches: unknown {sorted(unknown)}; the batches are {list(batches)}")
+        batches = {name: lens for name, lens in batches.items() if name in args.batches.split(",")}
     block_g = _decode_config(D, HQ // HKV)[0]
     configs = [(block_g, n, w, s, pf) for n, w, s, pf in itertools.product((32, 64, 128), (4, 8), (2, 3, 4),
                                                                           (False, True))]
@@ -146,7 +160,9 @@ def main(argv=None, prog=None):
                                         kv_scales=scales)
         results = []
         splits_options = (1, 2) if len(lens) >= 128 else (None, 1, 2, 4)
-        for cfg, use_order, splits in itertools.product(configs, (False, True), splits_options):
+        # Over an FP8 cache only the tile is in question: a full product took over 250 s before its first batch.
+        orders, splits_options = ((False,), splits_options[:1]) if args.kv_fp8 else ((False, True), splits_options)
+        for cfg, use_order, splits in itertools.product(configs, orders, splits_options):
             def call():
                 return paged_decode_attention(q, k_cache, v_cache, tables, seq_lens, D ** -0.5, num_splits=splits,
                                               workspace=ws, order=order if use_order else None, _config=cfg,

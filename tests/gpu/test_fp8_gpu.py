@@ -6,7 +6,6 @@ against the torch backend over the same cache format. Collected only where CUDA 
 import os
 import shutil
 
-import pytest
 import torch
 import torch.nn.functional as F
 
@@ -133,10 +132,14 @@ def test_fp8_checkpoint_kernels_agree_with_the_reference(tmp_path, monkeypatch):
 def test_fp8_moe_checkpoint_kernels_agree_with_the_reference(tmp_path, monkeypatch):
     """A tiny block-FP8 Qwen3-MoE: attention, the dense layer and the experts (grouped W8A8 GEMMs)
     through the FP8 kernels, CUDA graphs on; against the same engine with every FP8 product, the
-    experts' included, computed by the torch reference."""
+    experts' included, computed by the torch reference. Every token goes to all 8 experts: with top-2
+    of 8 a near-tie in the router flips an expert between two equally valid runs (on the H200 the fp32
+    and fp64 references differed by 0.99 in logprob, and ours by 1.56 from one of them), which greedy
+    agreement cannot tell from a bug. Sparse routing through the FP8 kernels is
+    tests/kernels/test_moe.py's; the router is the 16-bit MoE tests'."""
     path = str(tmp_path / "fp8")
     os.makedirs(path)
-    make_fp8_model(path, str(tmp_path / "ref"), moe=True)
+    make_fp8_model(path, str(tmp_path / "ref"), moe=True, num_experts_per_tok=8)
     with LLM(path, enforce_eager=True, **KW) as llm:
         experts = llm.engine.model_runner.model.model.layers[0].mlp.experts
         assert experts.w13.dtype == experts.w2.dtype == torch.float8_e4m3fn and experts.quant_method is not None
