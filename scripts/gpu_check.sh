@@ -31,7 +31,8 @@
 #             loop over Qwen3-30B-A3B layers, bandwidth at decode sizes); moesweep: its tile sweep (MOE_TOKENS)
 #   benchmoe / singlemoe / profilemoe  bench.py on Qwen3-30B-A3B (throughput, one request, --profile)
 #   moefp8    scripts/gpu_kernels.py moe --fp8 (the grouped W8A8 GEMMs over block-FP8 experts); benchmoefp8: bench.py
-#             on Qwen3-30B-A3B with --quantization fp8 (workload and one request)
+#             on Qwen3-30B-A3B with --quantization fp8 (workload and one request); moefp8sweep: the FP8 tiles'
+#             sweep (MOE_TOKENS, ~1.5 min per count)
 #   spec      speculative decoding: its GPU tests and the multi-query decode kernel's, then Qwen3-8B with a Qwen3-0.6B
 #             draft (random weights) forced to agree for k = 1..5 and forced wrong (benchmarks/speculative.py forced)
 #   benchspec python bench.py without and with n-gram speculation configured (its random prompts give the n-gram
@@ -175,6 +176,7 @@ for stage in $STAGES; do
     moesweep)  run moesweep python3 scripts/gpu_kernels.py moe --sweep --tokens ${MOE_TOKENS:-16,256} ;;
     benchmoe)  run benchmoe python3 bench.py --config benchmarks/configs/qwen3-30b-a3b.json --json "$OUTDIR/bench_qwen3_30b_a3b.json" ;;
     moefp8)    run moe_fp8_kernels python3 scripts/gpu_kernels.py moe --fp8 ;;
+    moefp8sweep) run moefp8sweep python3 scripts/gpu_kernels.py moe --fp8 --sweep --tokens ${MOE_TOKENS:-1,16,64} ;;
     benchmoefp8)
       run benchmoe_fp8 python3 bench.py --config benchmarks/configs/qwen3-30b-a3b.json --quantization fp8 \
         --json "$OUTDIR/bench_qwen3_30b_a3b_fp8.json"

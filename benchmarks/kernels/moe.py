@@ -2,7 +2,7 @@
 intermediate 768, bf16) against a plain torch per-expert loop, at decode and prefill token counts.
 
     python scripts/gpu_kernels.py moe [--tokens 1,8,64,256,4096] [--tp 2] [--sweep [--block-m 16,32]]      (GPU)
-    python scripts/gpu_kernels.py moe --fp8      block-FP8 experts (W8A8: activations in 1 x 128 groups)
+    python scripts/gpu_kernels.py moe --fp8 [--sweep]     block-FP8 experts (W8A8: activations in 1 x 128 groups)
 
 Per token count T: the fused path (router GEMM, top-k, align, gate_up, down; one CUDA graph over
 COPIES layers' weights, so every call streams its experts from HBM as in a model) and its stages
@@ -90,9 +90,17 @@ def eager_us(fn, reps: int = 10) -> float:
     return triton.testing.do_bench(fn, warmup=3, rep=reps * 5) * 1e3
 
 
-def tile_variants(base: MoeTile, gated: bool, block_m: int):
+def tile_variants(base: MoeTile, gated: bool, block_m: int, fp8: bool = False):
     """The table's tile first (and it with TMA weights), then column widths x depths x pipeline depths, the
-    weights by pointers and through TMA descriptors."""
+    weights by pointers and through TMA descriptors. fp8: one 128-deep K block a step, BN dividing 128,
+    pointer loads (the W8A8 kernels' constraints), over widths x warps x pipeline depths."""
+    if fp8:
+        out = [base]
+        for bn, warps, stages in itertools.product((16, 32, 64, 128), (2, 4, 8), (3, 5)):
+            rows = 2 * bn if gated else bn
+            if (block_m + rows) * 128 * stages <= 200 << 10:  # one byte an operand element
+                out.append(MoeTile(bn, 128, warps, stages, False))
+        return list(dict.fromkeys(out))
     bns = (32, 64, 128) if gated else (64, 128, 256)
     out = [base, base._replace(tma=not base.tma)]
     for bn, bk, stages, tma in itertools.product(bns, (64, 128), (3, 4), (False, True)):
@@ -145,25 +153,29 @@ def main(argv=None, prog=None):
             line += (f" | expert GEMMs {gemm_bw / 1e12:.2f} TB/s = {gemm_bw / bandwidth:.0%}, layer {layer_bw / 1e12:.2f}"
                      f" TB/s = {layer_bw / bandwidth:.0%} of copy")
         print(line, flush=True)
-        if args.sweep and not args.fp8:  # the sweep's variants are the 16-bit tiles'
+        if args.sweep:
             sweep(t, xs, layers, logits, inter, config, parts, [int(v) for v in args.block_m.split(",") if v])
 
 
 def sweep(t, xs, layers, logits, inter, config, parts, block_ms):
-    """The table's block_m (and block_ms) with each GEMM's tile variants; the best pair (block_m is shared)."""
+    """The table's block_m (and block_ms) with each GEMM's tile variants; the best pair (block_m is shared).
+    FP8 experts: the GEMMs timed on activations quantized beforehand (the engine's producers quantize them)."""
+    fp8 = layers[0].s13 is not None
+    quantized = per_token_group_quant if fp8 else (lambda a: a)
+    xq = [quantized(x) for x in xs]
     results = []
     for block_m in sorted({config.block_m, *block_ms}):
         routings = [route(lg, TOP_K, block_m, True, True) for lg in logits]
         base = config
         best = {}
         for name, gated, base_tile in (("gate_up", True, base.gate_up), ("down", False, base.down)):
-            for tile in tile_variants(base_tile, gated, block_m):
+            for tile in tile_variants(base_tile, gated, block_m, fp8):
                 try:
                     if gated:
-                        us = per_call_us(lambda i: moe_gate_up(xs[i], layers[i].w13, routings[i], tile))
+                        us = per_call_us(lambda i: moe_gate_up(xq[i], layers[i].w13, routings[i], tile, layers[i].s13))
                     else:
-                        acts = [moe_gate_up(x, l.w13, r, base.gate_up) for x, l, r in zip(xs, layers, routings)]
-                        us = per_call_us(lambda i: moe_down(acts[i], layers[i].w2, routings[i], tile, parts))
+                        acts = [quantized(gate_up(x, l, r, base.gate_up)) for x, l, r in zip(xs, layers, routings)]
+                        us = per_call_us(lambda i: moe_down(acts[i], layers[i].w2, routings[i], tile, parts, layers[i].s2))
                 except Exception as e:  # noqa: BLE001 - out of shared memory, registers
                     print(f"    BM={block_m} {name} {tile}: {type(e).__name__} {str(e)[:80]}")
                     continue
