@@ -3,7 +3,7 @@ computes x @ W_qkv^T a head at a time (a program's tile is BM tokens x one head)
 writing the [M, (Hq + 2 Hkv) D] product it normalises (Qwen3's q/k RMSNorm) and rotates q and k,
 writes q, and stores the new keys and values straight into the paged KV cache.
 
-The arithmetic is the unfused pair's (our dense GEMM, then `fused_ops.qk_norm_rope_store_kv`): the
+The arithmetic is the unfused pair's (our dense GEMM, then `rope.qk_norm_rope_store_kv`): the
 product is rounded to the activation dtype as a GEMM output would be, then `norm_rope_math` (the
 rotary kernel's own code) runs on it, without FMA contraction. Only the GEMM's fp32 accumulation
 order may differ from the unfused pair's tile shape, as between any two GEMM configurations.
@@ -16,7 +16,7 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from nanovllm.kernels.fp8 import FP8_DTYPE, quantize_to_fp8
-from nanovllm.kernels.fused_ops import norm_rope_math
+from nanovllm.kernels.rope import norm_rope_math
 from nanovllm.kernels.gemm import MAX_DENSE_K, mainloop, tma_compatible
 from nanovllm.kernels.pdl import PDL_LAUNCH, pdl_prologue
 

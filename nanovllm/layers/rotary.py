@@ -51,7 +51,7 @@ class RotaryEmbedding(nn.Module):
                 q_norm: nn.Module | None = None, k_norm: nn.Module | None = None):
         """q: [T, Hq, D], k: [T, Hkv, D]; q_norm/k_norm: per-head RMSNorms applied first (Qwen3)."""
         if q.is_cuda:  # norms and rotation of q and k in one kernel
-            from nanovllm.kernels.fused_ops import qk_norm_rope
+            from nanovllm.kernels.rope import qk_norm_rope
             return qk_norm_rope(q, k, positions, self.cos_sin_cache, *norm_args(q_norm, k_norm))
         if q_norm is not None:
             q, k = q_norm(q), k_norm(k)
@@ -67,7 +67,7 @@ class RotaryEmbedding(nn.Module):
         given). One Triton launch instead of rope + the attention backend's K/V store, for backends
         that read keys only from the cache (AttentionBackend.fuses_kv_store). kv_scales: an FP8
         cache's (k_scale, v_scale)."""
-        from nanovllm.kernels.fused_ops import qk_norm_rope_store_kv
+        from nanovllm.kernels.rope import qk_norm_rope_store_kv
         k_scale, v_scale = kv_scales or (None, None)
         return qk_norm_rope_store_kv(q, k, v, positions, self.cos_sin_cache, *kv_cache, *norm_args(q_norm, k_norm),
                                      q_out=q_out, k_scale=k_scale, v_scale=v_scale)

@@ -8,7 +8,7 @@ import torch
 from attention_dtypes import DTYPES, ON_GPU, TOL
 from nanovllm.kernels import paged_decode_attention, paged_prefill_attention, store_kv_cache
 from nanovllm.kernels import reference as ref
-from nanovllm.kernels.fused_ops import qk_norm_rope, qk_norm_rope_store_kv
+from nanovllm.kernels.rope import qk_norm_rope, qk_norm_rope_store_kv
 from nanovllm.kernels.gemm import GemmConfig, dense_linear
 from nanovllm.kernels.qkv_rope import QkvRopeConfig, qkv_rope_store_kv
 from nanovllm.layers.rotary import RotaryEmbedding

@@ -3,7 +3,7 @@ unfused pair it replaces: our dense GEMM, then qk_norm_rope_store_kv."""
 import pytest
 import torch
 
-from nanovllm.kernels.fused_ops import qk_norm_rope_store_kv
+from nanovllm.kernels.rope import qk_norm_rope_store_kv
 from nanovllm.kernels.gemm import GemmConfig, dense_linear
 from nanovllm.kernels.qkv_rope import QkvRopeConfig, qkv_rope_config, qkv_rope_store_kv
 from nanovllm.layers.rotary import RotaryEmbedding
