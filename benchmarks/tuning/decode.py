@@ -22,8 +22,8 @@ import torch
 import triton.testing
 
 from bench import measure_device
-from nanovllm.kernels.paged_decode import (_decode_config, alloc_decode_workspace, choose_num_splits,
-                                           paged_decode_attention)
+from nanovllm.kernels.decode_plan import alloc_decode_workspace, choose_num_splits, decode_config, device_sms
+from nanovllm.kernels.paged_decode import paged_decode_attention
 
 HQ, HKV, D, PAGE = 16, 8, 128, 256  # Qwen3-0.6B's attention, the default block size
 
@@ -47,10 +47,10 @@ def buckets(bw, k_cache, v_cache, ws, num_blocks, configs):
     """Tile configurations at the batch sizes the benchmark's decode steps go through (contexts as
     late in the run, when small batches hold the longest requests): the engine's split count against
     fixed ones, as a fraction of the copy bandwidth."""
-    block_g = _decode_config(D, HQ // HKV)[0]
+    block_g = decode_config(D, HQ // HKV)[0]
     for cfg in configs:
         print(f"BLOCK_N, warps, stages, PREFETCH_BLOCKS = {cfg}"
-              + (" (default)" if cfg == _decode_config(D, HQ // HKV)[1:] else ""))
+              + (" (default)" if cfg == decode_config(D, HQ // HKV)[1:] else ""))
         buckets_one(bw, k_cache, v_cache, ws, num_blocks, (block_g, *cfg))
 
 
@@ -139,12 +139,7 @@ def main(argv=None, prog=None):
         if unknown:
             raise SystemExit(f"--batches: unknown {sorted(unknown)}; the batches are {list(batches)}")
         batches = {name: lens for name, lens in batches.items() if name in args.batches.split(",")}
-    if args.batches:
-        unknown = set(args.batches.split(",")) - set(batches)
-        if unknown:
-            raise SystemExit(f"--batches: unknown {sorted(unknown)}; the batches are {list(batches)}")
-        batches = {name: lens for name, lens in batches.items() if name in args.batches.split(",")}
-    block_g = _decode_config(D, HQ // HKV)[0]
+    block_g = decode_config(D, HQ // HKV)[0]
     configs = [(block_g, n, w, s, pf) for n, w, s, pf in itertools.product((32, 64, 128), (4, 8), (2, 3, 4),
                                                                           (False, True))]
     value_bytes, scales = 2, None
@@ -176,8 +171,10 @@ def main(argv=None, prog=None):
                 continue
             results.append((ms, cfg, use_order, splits))
         results.sort(key=lambda r: r[0])
-        default = next(r for r in results if r[1] == _decode_config(D, HQ // HKV) and not r[2]
-                       and r[3] == splits_options[0])
+        # The engine's tile for this launch (its warps follow the programs per SM over an FP8 cache).
+        splits = splits_options[0] or choose_num_splits(len(lens), HQ, HKV, D, q.device)
+        engine = decode_config(D, HQ // HKV, 1, args.kv_fp8, HKV * len(lens) * splits / device_sms(q.device))
+        default = next(r for r in results if r[1] == engine and not r[2] and r[3] == splits_options[0])
         print(f"{name}: sum ctx {sum(lens)}, KV {kv_bytes / 1e9:.2f} GB; default config "
               f"{default[0] * 1e3:.1f} us = {kv_bytes / (default[0] * 1e-3) / bw:.1%} of copy BW")
         for ms, cfg, use_order, splits in results[:8]:

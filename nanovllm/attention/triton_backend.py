@@ -8,7 +8,7 @@ them with their own q, caches and output (kernels/replay.py): on steps that run 
 
 from nanovllm.attention.base import AttentionBackend, AttentionMetadata
 from nanovllm.kernels import paged_decode_attention, paged_prefill_attention, store_kv_cache
-from nanovllm.kernels.paged_decode import alloc_decode_workspace, choose_num_splits
+from nanovllm.kernels.decode_plan import alloc_decode_workspace, choose_num_splits
 from nanovllm.kernels.replay import replay_key
 
 

@@ -5,11 +5,8 @@ Cache layout per layer: ``k_cache`` / ``v_cache`` of shape
 sequence lives in block ``block_table[p // block_size]`` at offset ``p % block_size``.
 """
 
-from nanovllm.kernels.paged_decode import (
-    alloc_decode_workspace,
-    choose_num_splits,
-    paged_decode_attention,
-)
+from nanovllm.kernels.decode_plan import alloc_decode_workspace, choose_num_splits
+from nanovllm.kernels.paged_decode import paged_decode_attention
 from nanovllm.kernels.paged_prefill import paged_prefill_attention
 from nanovllm.kernels.store_kv import store_kv_cache
 

@@ -29,24 +29,18 @@ kernel no faster than over a bf16 cache; fp16 dots 1.2x faster), k_scale joins t
 v_scale multiplies the output, so the cache is read once, at one byte per value.
 """
 
-import functools
-
 import torch
 import triton
 import triton.language as tl
 
+from nanovllm.kernels.decode_plan import (alloc_decode_workspace, choose_num_splits, decode_config, device_sms,
+                                          merge_variant)
 from nanovllm.kernels.fp8 import FP8_DTYPE
 from nanovllm.kernels.pdl import PDL_LAUNCH, pdl_prologue
 from nanovllm.kernels.replay import launch
 
 _LOG2E = 1.4426950408889634
 _NEG_INIT = tl.constexpr(-1.0e30)  # finite running-max init: exp2(-inf - (-inf)) would give NaN
-
-# Splitting heuristics (see choose_num_splits).
-_TWO_SPLITS_ITEMS_PER_SM = 4  # items (sequence x KV head) up to this many per SM get at least two splits
-_ONE_WAVE_PROGRAMS_PER_SM = 2.4  # else aim for about this many programs: one wave, all resident at once
-_MIN_KEYS_PER_SPLIT = 128  # below this a split is mostly launch/merge overhead
-_MAX_SPLITS = 64
 
 
 @triton.jit
@@ -226,79 +220,6 @@ def _decode_merge_kernel(
              mask=d < HEAD_DIM)
 
 
-@functools.lru_cache(maxsize=None)
-def _num_sms(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
-
-
-def _device_sms(device: torch.device) -> int:
-    if device.type == "cuda":
-        return _num_sms(device.index if device.index is not None else torch.cuda.current_device())
-    return 8  # interpreter / CPU: any small number keeps the split path exercised
-
-
-def _decode_config(head_dim: int, group: int, query_len: int = 1):
-    """(BLOCK_G, BLOCK_N, num_warps, num_stages, PREFETCH_BLOCKS); a fixed table, no autotuning,
-    so the first call inside a CUDA-graph capture doesn't benchmark anything. The rows of a tile
-    are the query_len x group (token, head) pairs of one KV head."""
-    block_g = min(max(16, triton.next_power_of_2(group * query_len)), 64)
-    block_d = triton.next_power_of_2(head_dim)
-    if block_d <= 64:
-        return block_g, 128, 4, 3, False
-    if block_d <= 128:
-        # Block ids one tile ahead: the pipeliner then keeps two K/V tiles in flight instead of one
-        # (read off the compiled kernel's IR); measured on the H200 at 96-102% of copy bandwidth from 96
-        # sequences up, and 3-25% faster than without below that (scripts/tune.py decode --buckets).
-        return block_g, 64, 4, 3, True
-    return block_g, 32, 4, 2, False
-
-
-def _merge_variant(num_splits: int, block_d: int) -> tuple[int, int]:
-    """The merge kernel's compiled variant for num_splits: (BLOCK_S, num_warps)."""
-    return triton.next_power_of_2(num_splits), 4 if block_d * num_splits <= 4096 else 8
-
-
-def decode_launch_variants(max_batch: int, num_q_heads: int, num_kv_heads: int, head_dim: int,
-                           device: torch.device, max_seq_len_hint: int | None = None) -> list[int]:
-    """One batch size (the smallest) per compiled variant that a decode launch of 1..max_batch
-    sequences picks through choose_num_splits: direct output, or split with the merge kernel's
-    (BLOCK_S, num_warps). A warm-up running these compiles every variant at start-up, so that no
-    step of a running workload waits for Triton (a compile takes hundreds of ms, the whole batch waits)."""
-    block_d = triton.next_power_of_2(head_dim)
-    first: dict = {}
-    for batch in range(1, max_batch + 1):
-        splits = choose_num_splits(batch, num_q_heads, num_kv_heads, head_dim, device, max_seq_len_hint)
-        first.setdefault(None if splits == 1 else _merge_variant(splits, block_d), batch)
-    return sorted(first.values())
-
-
-def choose_num_splits(batch: int, num_q_heads: int, num_kv_heads: int, head_dim: int,
-                      device: torch.device, max_seq_len_hint: int | None = None, query_len: int = 1) -> int:
-    """Number of KV splits per sequence; depends only on host-side shapes.
-
-    Few items (sequence x KV head): about _ONE_WAVE_PROGRAMS_PER_SM programs per SM, one wave that
-    runs at once. Measured in the engine's decode graph on the H200 (contexts
-    of ~1,400-1,500 keys), ms per step against the earlier rule (~4 programs per SM, 1.3-1.6 waves):
-    8 sequences 1.291 (5 splits) vs 1.357 (9), 16: 1.621 (2) vs 1.697 (5), 24 in the 32-row graph:
-    2.007 (2) vs 2.164 (3). Why: with equal programs, 1.3 waves
-    read at 3.3-3.6 TB/s, one wave of ~2 per SM at 3.9-4.3. Up to _TWO_SPLITS_ITEMS_PER_SM items per SM
-    at least two splits (48-64 sequences: 2.812 / 3.559 ms with two, 2.904 / 3.637 with one: ragged
-    lengths in one wave wait for the longest). Never a split of fewer than ~_MIN_KEYS_PER_SPLIT keys
-    of the longest possible sequence (``max_seq_len_hint``; unknown -> assume long). For CUDA graphs
-    pass the same hint at capture and replay. ``query_len``: query tokens per sequence (their
-    (token, head) rows share a program, as the heads of a group do).
-    """
-    group = num_q_heads // num_kv_heads
-    block_g = _decode_config(head_dim, group, query_len)[0]
-    head_blocks = triton.cdiv(group * query_len, block_g)
-    items = max(1, batch * num_kv_heads * head_blocks)
-    sms = _device_sms(device)
-    splits = max(round(_ONE_WAVE_PROGRAMS_PER_SM * sms / items), 2 if items <= _TWO_SPLITS_ITEMS_PER_SM * sms else 1)
-    if max_seq_len_hint is not None:
-        splits = min(splits, triton.cdiv(max(max_seq_len_hint, 1), _MIN_KEYS_PER_SPLIT))
-    return max(1, min(splits, _MAX_SPLITS))
-
-
 def check_cache_dtype(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, kv_scales) -> bool:
     """Whether the caches are FP8 (float8_e4m3fn, with kv_scales); else they must have q's dtype."""
     assert k_cache.dtype == v_cache.dtype, (k_cache.dtype, v_cache.dtype)
@@ -308,15 +229,6 @@ def check_cache_dtype(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
         return True
     assert q.dtype == k_cache.dtype, "q and the KV cache must share a dtype (or the cache be float8_e4m3fn)"
     return False
-
-
-def alloc_decode_workspace(max_batch: int, num_q_heads: int, head_dim: int, num_splits: int,
-                           device: torch.device):
-    """Preallocated stage-1 buffers (for CUDA graphs): (partial outputs, partial lse)."""
-    part_o = torch.empty(max_batch * num_q_heads * num_splits * head_dim,
-                         dtype=torch.float32, device=device)
-    part_lse = torch.empty(max_batch * num_q_heads * num_splits, dtype=torch.float32, device=device)
-    return part_o, part_lse
 
 
 # What a replay of the split kernel takes from (q, k_cache, v_cache, out, kv_scales) (kernels/replay.py).
@@ -348,7 +260,7 @@ def paged_decode_attention(
     max_seq_len_hint: int | None = None,
     order: torch.Tensor | None = None,
     kv_scales: tuple[torch.Tensor, torch.Tensor] | None = None,
-    _config: tuple | None = None,  # `_decode_config`'s tuple, for benchmarks
+    _config: tuple | None = None,  # `decode_config`'s tuple, for benchmarks
     query_len: int = 1,
     record: list | None = None,
 ) -> torch.Tensor:
@@ -384,12 +296,14 @@ def paged_decode_attention(
         return out
     assert batch <= 65535, "the batch is grid axis 1 (at most 65535 programs)"
 
-    block_g, block_n, num_warps, num_stages, prefetch_blocks = _config or _decode_config(head_dim, group, query_len)
     block_d = triton.next_power_of_2(head_dim)
-    head_blocks = triton.cdiv(group * query_len, block_g)
+    head_blocks = triton.cdiv(group * query_len, (_config or decode_config(head_dim, group, query_len))[0])
     if num_splits is None:
         num_splits = choose_num_splits(batch, num_q_heads, num_kv_heads, head_dim,
                                        q.device, max_seq_len_hint, query_len)
+    programs_per_sm = num_kv_heads * head_blocks * batch * num_splits / device_sms(q.device)
+    block_g, block_n, num_warps, num_stages, prefetch_blocks = _config or decode_config(
+        head_dim, group, query_len, kv_fp8, programs_per_sm)
     direct = num_splits == 1
 
     if direct:
@@ -419,7 +333,7 @@ def paged_decode_attention(
         num_warps=num_warps, num_stages=num_stages, **PDL_LAUNCH),
         record, _SPLIT_SWAPPED, _swap_fp8 if kv_fp8 else _swap_plain)
     if not direct:
-        merge_tile, merge_warps = _merge_variant(num_splits, block_d)
+        merge_tile, merge_warps = merge_variant(num_splits, block_d)
         launch(_decode_merge_kernel, (num_rows, num_q_heads), (
             out, part_o, part_lse,
             out.stride(0), out.stride(1),

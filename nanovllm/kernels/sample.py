@@ -22,7 +22,7 @@ import triton
 import triton.language as tl
 
 from nanovllm.kernels.pdl import PDL_LAUNCH, pdl_prologue
-from nanovllm.kernels.paged_decode import _device_sms
+from nanovllm.kernels.decode_plan import device_sms
 
 try:
     from triton.language.extra.cuda.libdevice import fast_logf
@@ -179,7 +179,7 @@ DEFAULT_SAMPLE_CONFIG = SampleConfig(16, 1024, 4, True, True)
 
 def _num_splits(batch: int, vocab_size: int, device: torch.device, config: SampleConfig) -> int:
     # ~programs_per_sm programs per SM, but no split smaller than a few tiles.
-    return max(1, min(triton.cdiv(config.programs_per_sm * _device_sms(device), batch),
+    return max(1, min(triton.cdiv(config.programs_per_sm * device_sms(device), batch),
                       triton.cdiv(vocab_size, 4 * config.block), _MAX_SPLITS))
 
 

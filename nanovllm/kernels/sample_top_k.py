@@ -29,7 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
-from nanovllm.kernels.paged_decode import _device_sms
+from nanovllm.kernels.decode_plan import device_sms
 from nanovllm.kernels.pdl import PDL_LAUNCH, pdl_prologue
 from nanovllm.kernels.sample import chunk_of_row, gumbel_max_scores
 
@@ -266,7 +266,7 @@ def _num_chunks(batch: int, vocab_size: int, max_top_k: int, device: torch.devic
     """~programs_per_sm programs per SM, but no chunk shorter than two tiles, and few enough that the
     list keeps well under MAX_CANDIDATES (about chunks x k keys reach the bound while k is at most a
     quarter of the lanes)."""
-    return max(1, min(triton.cdiv(programs_per_sm * _device_sms(device), batch),
+    return max(1, min(triton.cdiv(programs_per_sm * device_sms(device), batch),
                       triton.cdiv(vocab_size, 2 * block), MAX_CANDIDATES // (2 * max_top_k)))
 
 

@@ -207,7 +207,7 @@ class ModelRunner:
         """Run once the kernel variants a workload meets (prefill tile sizes, decode slices at
         aligned and unaligned offsets, the sampler), so Triton compiles them at start-up rather
         than inside the first requests. The cache is still empty: any blocks will do."""
-        from nanovllm.kernels.paged_decode import decode_launch_variants
+        from nanovllm.kernels.decode_plan import decode_launch_variants
         from nanovllm.sampling_params import SamplingParams
         longest = self.config.max_model_len - 1
         # Triton specialises on pointer alignment (the prefill slice starts after the decodes)
@@ -220,7 +220,8 @@ class ModelRunner:
         # decodes beside a prefill waits ~0.3 s for Triton, measured in the multi-turn benchmark).
         most = min(self.config.max_num_seqs - 1, self.config.max_num_batched_tokens - 7)
         layouts += [[1] * nd + [7] for nd in decode_launch_variants(
-            most, self.num_q_heads, self.num_kv_heads, self.head_dim, self.device, self.config.max_model_len)]
+            most, self.num_q_heads, self.num_kv_heads, self.head_dim, self.device, self.config.max_model_len,
+            kv_fp8=self.config.kv_cache_torch_dtype == torch.float8_e4m3fn)]
         for lens in layouts:
             lens = [min(n, longest) for n in lens]
             seqs, next_block = [], 0

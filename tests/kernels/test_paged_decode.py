@@ -100,22 +100,26 @@ def test_choose_num_splits_is_host_only():
     assert 1 <= choose_num_splits(1, 64, 1, 128, cpu) <= 64
 
 
-def test_decode_launch_variants_cover_every_batch(monkeypatch):
+@pytest.mark.parametrize("kv_fp8", [False, True])
+def test_decode_launch_variants_cover_every_batch(kv_fp8, monkeypatch):
     """The warm-up's decode counts (ModelRunner._compile_kernels) reach every compiled variant
     that some batch of 1..512 picks, each from its smallest batch; on the H200's 132 SMs with
     Qwen3-0.6B's heads that includes the merge over 3-4 splits (9-15 sequences), which nothing
-    else compiled before a multi-turn run met it."""
-    from nanovllm.kernels import paged_decode
-    monkeypatch.setattr(paged_decode, "_device_sms", lambda device: 132)
+    else compiled before a multi-turn run met it, and over an FP8 cache the split kernel's two
+    warp counts."""
+    from nanovllm.kernels import decode_plan
+    monkeypatch.setattr(decode_plan, "device_sms", lambda device: 132)
     cpu = torch.device("cpu")
 
-    def variant(batch):
+    def variant(batch):  # what the launch compiles, as paged_decode_attention picks it
         splits = choose_num_splits(batch, 16, 8, 128, cpu, 8192)
-        return None if splits == 1 else paged_decode._merge_variant(splits, 128)
+        warps = decode_plan.decode_config(128, 2, 1, kv_fp8, 8 * batch * splits / 132)[2]
+        return None if splits == 1 else decode_plan.merge_variant(splits, 128), warps
 
-    batches = paged_decode.decode_launch_variants(512, 16, 8, 128, cpu, 8192)
-    assert batches == sorted(batches) and 9 in batches and variant(batches[-1]) is None  # direct from some batch on
+    batches = decode_plan.decode_launch_variants(512, 16, 8, 128, cpu, 8192, kv_fp8)
+    assert batches == sorted(batches) and 9 in batches and variant(batches[-1])[0] is None  # direct from some batch on
     assert len({variant(b) for b in batches}) == len(batches)
+    assert {variant(b)[1] for b in batches} == ({2, 4} if kv_fp8 else {4})
     for batch in range(1, 513):
         first = next(b for b in batches if variant(b) == variant(batch))
         assert first <= batch
@@ -124,9 +128,9 @@ def test_decode_launch_variants_cover_every_batch(monkeypatch):
 def test_split_counts_make_one_wave_for_few_sequences(monkeypatch):
     """On an H200-sized GPU (132 SMs): few sequences get one wave of programs that all run at once
     (at most 3 per SM), and up to 4 sequence x KV-head items per SM at least two splits (a ragged
-    batch in one wave of whole sequences waits for its longest; kernels/paged_decode.py's figures)."""
-    import nanovllm.kernels.paged_decode as paged_decode
-    monkeypatch.setattr(paged_decode, "_device_sms", lambda device: 132)
+    batch in one wave of whole sequences waits for its longest; kernels/decode_plan.py's figures)."""
+    from nanovllm.kernels import decode_plan
+    monkeypatch.setattr(decode_plan, "device_sms", lambda device: 132)
     gpu = torch.device("cuda")  # only passed through to the patched SM count
     seen = {}
     for batch in range(1, 257):
@@ -143,8 +147,8 @@ def test_split_counts_make_one_wave_for_few_sequences(monkeypatch):
 @pytest.mark.parametrize("num_splits", [1, 3])
 def test_decode_block_ids_carried_one_tile_ahead(block_size, num_splits, device, gen):
     """PREFETCH_BLOCKS (block ids loaded an iteration early) gives the same attention."""
-    from nanovllm.kernels.paged_decode import _decode_config
-    config = (*_decode_config(64, 2)[:4], True)
+    from nanovllm.kernels.decode_plan import decode_config
+    config = (*decode_config(64, 2)[:4], True)
     seq_lens = [1, 0, 63, 64, 65, 300, 129]
     _run_case(seq_lens, 4, 2, 64, block_size, torch.float16, device, gen, num_splits=num_splits, config=config)
 
