@@ -2,6 +2,8 @@
 largest batch, and give the cache what is left of the allowed fraction of the GPU."""
 import torch
 
+from nanovllm.worker.warmup import warmup
+
 
 def profile_kv_budget(runner) -> int:
     cfg = runner.config
@@ -13,7 +15,7 @@ def profile_kv_budget(runner) -> int:
     allocated_before = torch.cuda.memory_allocated(device)
     torch.cuda.reset_peak_memory_stats(device)
     num_seqs = min(cfg.max_num_seqs, cfg.max_num_batched_tokens)
-    temp_cache_bytes = runner.warmup(cfg.max_num_batched_tokens, num_seqs)
+    temp_cache_bytes = warmup(runner, cfg.max_num_batched_tokens, num_seqs)
     torch.cuda.synchronize(device)
     peak_extra = torch.cuda.max_memory_allocated(device) - allocated_before - temp_cache_bytes
     torch.cuda.empty_cache()

@@ -27,12 +27,12 @@ from nanovllm.layers.sampling_metadata import SamplingMetadata
 from nanovllm.models.gguf_q4 import Q4_BLOCKS_FILE
 from nanovllm.models.loader import build_model, init_dummy_weights, load_weights, process_weights_after_loading
 from nanovllm.spec_decode.config import draft_memory
-from nanovllm.worker.gemm_warmup import warm_gemms
 from nanovllm.worker.grammar_masks import BitmaskBuffers, MaskFillStats, timed_fill
 from nanovllm.worker.inputs import (HostInputs, HostToDevice, build_host_inputs, fill_decode_inputs,
                                     kv_copies_array, to_device)
 from nanovllm.worker.sampling_inputs import build_sampling_metadata
 from nanovllm.worker.step_output import DeferredDraw, PinnedTokenRing, StepOutput
+from nanovllm.worker.warmup import compile_kernels, run_largest_step
 
 _CPU_DEFAULT_KV_BYTES = 512 << 20
 _seq_id = attrgetter("seq_id")
@@ -93,12 +93,12 @@ class ModelRunner:
         self.mask_fill = MaskFillStats()
         # Block ids are shared by all tensor-parallel ranks: every rank holds as many as the smallest.
         self.num_blocks = min_over_ranks(self._num_kv_blocks())
-        self.kv_cache = self._allocate_kv_cache(self.num_blocks)
+        self.kv_cache = self.allocate_kv_cache(self.num_blocks)
         self._copy_kernel = None  # the torch path copies on the CPU
         if self.device.type == "cuda":
             from nanovllm.kernels.copy_kv import copy_kv_prefixes
             self._copy_kernel = copy_kv_prefixes
-            self._compile_kernels()
+            compile_kernels(self)
         if self.device.type == "cuda" and not config.enforce_eager and self.backend.supports_cuda_graphs:
             from nanovllm.worker.cuda_graph import CUDAGraphRunner
             # Rank 0 of a tensor-parallel group samples outside the graphs (its workers never sample).
@@ -124,8 +124,8 @@ class ModelRunner:
         if self.device.type == "cuda":
             # The KV sizing and the graph capture empty the allocator's cache; the largest step takes
             # its activations back now, so the first long prefill of a run does not cudaMalloc them.
-            self._largest_step(config.max_num_batched_tokens, min(config.max_num_seqs, config.max_num_batched_tokens),
-                               self.num_blocks)
+            run_largest_step(self, config.max_num_batched_tokens,
+                             min(config.max_num_seqs, config.max_num_batched_tokens), self.num_blocks)
 
     # ---- KV cache -----------------------------------------------------------------------
     @property
@@ -155,7 +155,7 @@ class ModelRunner:
             budget = max(budget, self.max_blocks_per_seq * per_block)
         return max(1, budget // per_block)
 
-    def _allocate_kv_cache(self, num_blocks: int) -> torch.Tensor:
+    def allocate_kv_cache(self, num_blocks: int) -> torch.Tensor:
         # Zeroed: masked-out context slots are multiplied by zero weights, which NaN would poison.
         dtype = self.config.kv_cache_torch_dtype
         kv = torch.zeros(2, self.num_layers, num_blocks, self.block_size, self.num_kv_heads, self.head_dim,
@@ -165,111 +165,6 @@ class ModelRunner:
             attn.k_cache, attn.v_cache = kv[0, i], kv[1, i]
             attn.kv_scales = (attn.k_scale, attn.v_scale) if fp8 else None
         return kv
-
-    def _largest_step_layout(self, num_tokens: int, num_seqs: int) -> tuple[int, int]:
-        """(tokens per sequence, cache blocks per sequence) of `_largest_step`."""
-        per_seq = max(1, min(num_tokens // num_seqs, self.config.max_model_len - 1))
-        return per_seq, -(-per_seq // self.block_size)
-
-    @torch.inference_mode()
-    def _largest_step(self, num_tokens: int, num_seqs: int, num_blocks: int | None = None):
-        """Run a step of num_tokens prompt tokens over num_seqs sequences (all sampling): the step
-        with the most activation memory. Block ids are taken modulo num_blocks (default: as many
-        as it needs); before the first request any block will do."""
-        from nanovllm.sampling_params import SamplingParams
-        per_seq, blocks_per_seq = self._largest_step_layout(num_tokens, num_seqs)
-        # The sampler's heaviest path: the torch path's full-vocabulary sort (top-p beside top-k rows,
-        # which no kernel takes), penalties and logprobs hold several [rows, vocab] fp32 tensors at
-        # once, more than the plain draw's peak.
-        params = [SamplingParams(temperature=1.0, top_p=0.9, top_k=50 * (i % 2), repetition_penalty=1.1, logprobs=20)
-                  for i in range(2)]
-        seqs = [Sequence([0] * per_seq, params[i % 2], seed=i) for i in range(num_seqs)]
-        num_blocks = num_blocks or num_seqs * blocks_per_seq
-        for i, seq in enumerate(seqs):
-            seq.block_table = [b % num_blocks for b in range(i * blocks_per_seq, (i + 1) * blocks_per_seq)]
-        batch = ScheduledBatch(seqs, [per_seq] * num_seqs, num_decodes=num_seqs if per_seq == 1 else 0)
-        self.execute(batch).token_ids()
-        self._last_sampled, self._last_row_of_seq = None, {}
-
-    @torch.inference_mode()
-    def warmup(self, num_tokens: int, num_seqs: int) -> int:
-        """Run the largest step on a temporary cache. Returns the temporary cache's size in bytes."""
-        kv = self._allocate_kv_cache(num_seqs * self._largest_step_layout(num_tokens, num_seqs)[1])
-        self._largest_step(num_tokens, num_seqs)
-        bytes_ = kv.numel() * kv.element_size()
-        for attn in self.model.attention_layers:  # the layers' views would keep the cache alive
-            attn.k_cache = attn.v_cache = torch.tensor([])
-        del kv
-        return bytes_
-
-    @torch.inference_mode()
-    def _compile_kernels(self):
-        """Run once the kernel variants a workload meets (prefill tile sizes, decode slices at
-        aligned and unaligned offsets, the sampler), so Triton compiles them at start-up rather
-        than inside the first requests. The cache is still empty: any blocks will do."""
-        from nanovllm.kernels.decode_plan import decode_launch_variants
-        from nanovllm.sampling_params import SamplingParams
-        longest = self.config.max_model_len - 1
-        # Triton specialises on pointer alignment (the prefill slice starts after the decodes)
-        # and on integers equal to 1 or divisible by 16: cover decode counts mod 4, block-table
-        # widths, token totals of each kind and every prefill tile size.
-        layouts = [[1, 1, 1, 5, 17, 40, 100, 300], [1, 1, 1, 1, 2, 64, 1000], [1, 1, 600], [1, 1, 1, 900],
-                   [1] * 5 + [1000, 24], [1] * 6 + [10], [7], [9], [20], [33], [128], [256], [1], [1, 1]]
-        # A step with a prefill runs its decode rows' attention outside the graphs, split as their
-        # count picks: one decode count per compiled variant (else the first step with, e.g., 9-15
-        # decodes beside a prefill waits ~0.3 s for Triton, measured in the multi-turn benchmark).
-        most = min(self.config.max_num_seqs - 1, self.config.max_num_batched_tokens - 7)
-        layouts += [[1] * nd + [7] for nd in decode_launch_variants(
-            most, self.num_q_heads, self.num_kv_heads, self.head_dim, self.device, self.config.max_model_len,
-            kv_fp8=self.config.kv_cache_torch_dtype == torch.float8_e4m3fn)]
-        for lens in layouts:
-            lens = [min(n, longest) for n in lens]
-            seqs, next_block = [], 0
-            for i, n in enumerate(lens):
-                seq = Sequence([0] * n, SamplingParams(temperature=0.0 if i % 2 else 1.0), seed=i)
-                num = -(-n // self.block_size)
-                seq.block_table = [b % self.num_blocks for b in range(next_block, next_block + num)]
-                next_block += num
-                seqs.append(seq)
-            self.execute(ScheduledBatch(seqs, lens, num_decodes=sum(1 for n in lens if n == 1))).token_ids()
-        self._last_sampled, self._last_row_of_seq = None, {}
-        self.copy_kv_prefixes(np.array([[0], [0], [1]], dtype=np.int64))  # a block onto itself: no change
-        warm_gemms(self.model, self.config.max_num_batched_tokens, self.config.max_num_seqs, self.device,
-                   self.config.torch_dtype)
-        self._warm_sampler()
-        torch.cuda.synchronize(self.device)
-
-    # The eager sampler's paths use kernels the plain draw does not: the filters' Triton kernels (their
-    # common variants: top-k, with top-p, with min-p, on the float32 logits penalties leave; top-p; min-p;
-    # top_k past 128, which ranks the nucleus by bisection), torch ops for top_k past the kernels' 1,024,
-    # penalties, logprobs, min_tokens bans. CUDA loads (Triton compiles) each on its first call (~0.2 s
-    # for a top-p batch, measured in bench.py's timed run), which would otherwise land in a request's step.
-    _WARM_SAMPLING = ({"top_k": 50}, {"top_k": 50, "top_p": 0.9}, {"top_p": 0.9}, {"min_p": 0.1},
-                      {"top_k": 40, "top_p": 0.95, "min_p": 0.05},
-                      {"top_k": 20, "top_p": 0.8, "repetition_penalty": 1.05}, {"top_k": 200, "top_p": 0.9},
-                      {"top_k": 2000},
-                      {"repetition_penalty": 1.1, "presence_penalty": 0.5, "frequency_penalty": 0.5},
-                      {"logprobs": 5}, {"min_tokens": 4, "stop_token_ids": [1]})
-
-    def _warm_sampler(self):
-        from nanovllm.sampling_params import SamplingParams
-        vocab = self.config.hf_config.vocab_size
-        most = self.config.max_num_seqs
-        for rows in sorted({1, min(16, most), most}):  # library kernels pick their variant by row count
-            logits = torch.randn(rows, vocab, device=self.device).to(self.config.torch_dtype)
-            for extra in self._WARM_SAMPLING:
-                seqs = [Sequence([1, 2, 3], SamplingParams(temperature=0.8, **extra), seed=i) for i in range(rows)]
-                meta = build_sampling_metadata(seqs, self.device, self.eos_token_ids, vocab, stage=self.stage)
-                self.sampler.sample(logits, meta)
-            # Under grammar masks: the fused draw's masked variant, and the kernel writing masks into logits.
-            for extra in ({}, {"logprobs": 5}, {"top_k": 50}):
-                seqs = [Sequence([1, 2, 3], SamplingParams(temperature=0.8, **extra), seed=i) for i in range(rows)]
-                meta = build_sampling_metadata(seqs, self.device, self.eos_token_ids, vocab, stage=self.stage)
-                mask_rows, masks = self.bitmasks.host()
-                mask_rows[:rows] = range(rows)
-                masks[:rows] = -1  # every token allowed
-                meta.mask_rows, meta.masks, meta.masked_rows = self.bitmasks.send(rows, rows)
-                self.sampler.sample(logits.clone(), meta)
 
     # ---- one step -----------------------------------------------------------------------
     @torch.inference_mode()
@@ -421,6 +316,10 @@ class ModelRunner:
         """The next step reads its pending inputs from `tokens` on the device: row i is seqs[i]'s."""
         self._last_sampled = tokens
         self._last_row_of_seq = dict(zip(map(_seq_id, seqs), range(len(seqs))))
+
+    def forget_sampled(self):
+        """No step's inputs are pending on the last samples (after a start-up run)."""
+        self._last_sampled, self._last_row_of_seq = None, {}
 
     def _execute_graphed_decode(self, seqs: list[Sequence], defer_sampling: bool) -> StepOutput:
         """A pure decode step on one device: inputs filled into the graphs' pinned buffer and sent

@@ -102,7 +102,7 @@ def test_choose_num_splits_is_host_only():
 
 @pytest.mark.parametrize("kv_fp8", [False, True])
 def test_decode_launch_variants_cover_every_batch(kv_fp8, monkeypatch):
-    """The warm-up's decode counts (ModelRunner._compile_kernels) reach every compiled variant
+    """The warm-up's decode counts (worker/warmup.compile_kernels) reach every compiled variant
     that some batch of 1..512 picks, each from its smallest batch; on the H200's 132 SMs with
     Qwen3-0.6B's heads that includes the merge over 3-4 splits (9-15 sequences), which nothing
     else compiled before a multi-turn run met it, and over an FP8 cache the split kernel's two

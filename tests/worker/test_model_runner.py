@@ -1,7 +1,8 @@
-"""Start-up work of the model runner and the engine that must leave nothing behind."""
+"""Start-up work of the model runner (worker/warmup.py) and the engine that must leave nothing behind."""
 import gc
 
 from nanovllm import LLM, SamplingParams
+from nanovllm.worker.warmup import WARM_SAMPLING, run_largest_step, warm_sampler
 
 KWARGS = dict(dtype="float32", max_model_len=256, max_num_batched_tokens=512, max_num_seqs=8)
 
@@ -20,7 +21,7 @@ def test_largest_step_leaves_no_state_behind(model_factory):
         expect = _generate(llm)
     with LLM(path, **KWARGS) as llm:
         runner = llm.engine.model_runner
-        runner._largest_step(llm.config.max_num_batched_tokens, llm.config.max_num_seqs, runner.num_blocks)
+        run_largest_step(runner, llm.config.max_num_batched_tokens, llm.config.max_num_seqs, runner.num_blocks)
         assert _generate(llm) == expect
 
 
@@ -35,11 +36,10 @@ def test_sampler_warm_up_takes_every_eager_path_and_leaves_no_state_behind(model
     """The start-up run of the eager sampler's paths (on a GPU, where CUDA loads each library kernel
     on its first call) accepts its parameter sets, none of them the plain draw, and changes no later
     output."""
-    from nanovllm.worker.model_runner import ModelRunner
-    assert not any(SamplingParams(temperature=0.8, **extra).plain for extra in ModelRunner._WARM_SAMPLING)
+    assert not any(SamplingParams(temperature=0.8, **extra).plain for extra in WARM_SAMPLING)
     path = model_factory("qwen3")
     with LLM(path, **KWARGS) as llm:
         expect = _generate(llm)
     with LLM(path, **KWARGS) as llm:
-        llm.engine.model_runner._warm_sampler()
+        warm_sampler(llm.engine.model_runner)
         assert _generate(llm) == expect
