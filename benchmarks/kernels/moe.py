@@ -168,13 +168,14 @@ def sweep(t, xs, layers, logits, inter, config, parts, block_ms):
         routings = [route(lg, TOP_K, block_m, True, True) for lg in logits]
         base = config
         best = {}
+        # down's input: gate_up's output under the table's tile, once for every down tile
+        acts = [quantized(gate_up(x, l, r, base.gate_up)) for x, l, r in zip(xs, layers, routings)]
         for name, gated, base_tile in (("gate_up", True, base.gate_up), ("down", False, base.down)):
             for tile in tile_variants(base_tile, gated, block_m, fp8):
                 try:
                     if gated:
                         us = per_call_us(lambda i: moe_gate_up(xq[i], layers[i].w13, routings[i], tile, layers[i].s13))
                     else:
-                        acts = [quantized(gate_up(x, l, r, base.gate_up)) for x, l, r in zip(xs, layers, routings)]
                         us = per_call_us(lambda i: moe_down(acts[i], layers[i].w2, routings[i], tile, parts, layers[i].s2))
                 except Exception as e:  # noqa: BLE001 - out of shared memory, registers
                     print(f"    BM={block_m} {name} {tile}: {type(e).__name__} {str(e)[:80]}")
@@ -185,5 +186,5 @@ def sweep(t, xs, layers, logits, inter, config, parts, block_ms):
         if len(best) == 2:
             results.append((best["gate_up"][0] + best["down"][0], block_m, best["gate_up"][1], best["down"][1]))
     if results:
-        total, block_m, gate_up, down = min(results, key=lambda r: r[0])
-        print(f"  T={t}: best {total:.1f} us: MoeConfig({block_m}, {gate_up}, {down})", flush=True)
+        total, block_m, best_gate_up, best_down = min(results, key=lambda r: r[0])
+        print(f"  T={t}: best {total:.1f} us: MoeConfig({block_m}, {best_gate_up}, {best_down})", flush=True)
