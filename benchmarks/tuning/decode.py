@@ -22,7 +22,7 @@ import torch
 import triton.testing
 
 from bench import measure_device
-from nanovllm.kernels.decode_plan import alloc_decode_workspace, choose_num_splits, decode_config, device_sms
+from nanovllm.kernels.decode_plan import alloc_decode_workspace, choose_num_splits, decode_config, launch_config
 from nanovllm.kernels.paged_decode import paged_decode_attention
 
 HQ, HKV, D, PAGE = 16, 8, 128, 256  # Qwen3-0.6B's attention, the default block size
@@ -173,7 +173,7 @@ def main(argv=None, prog=None):
         results.sort(key=lambda r: r[0])
         # The engine's tile for this launch (its warps follow the programs per SM over an FP8 cache).
         splits = splits_options[0] or choose_num_splits(len(lens), HQ, HKV, D, q.device)
-        engine = decode_config(D, HQ // HKV, 1, args.kv_fp8, HKV * len(lens) * splits / device_sms(q.device))
+        engine = launch_config(len(lens), HQ, HKV, D, q.device, splits, kv_fp8=args.kv_fp8)
         default = next(r for r in results if r[1] == engine and not r[2] and r[3] == splits_options[0])
         print(f"{name}: sum ctx {sum(lens)}, KV {kv_bytes / 1e9:.2f} GB; default config "
               f"{default[0] * 1e3:.1f} us = {kv_bytes / (default[0] * 1e-3) / bw:.1%} of copy BW")

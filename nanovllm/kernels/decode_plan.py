@@ -74,11 +74,18 @@ def decode_variant(batch: int, num_q_heads: int, num_kv_heads: int, head_dim: in
     """What tells a decode launch of `batch` sequences' compiled kernels apart: (the merge kernel's
     (BLOCK_S, num_warps), None without a merge; the split kernel's warps)."""
     splits = choose_num_splits(batch, num_q_heads, num_kv_heads, head_dim, device, max_seq_len_hint)
-    group = num_q_heads // num_kv_heads
-    head_blocks = triton.cdiv(group, decode_config(head_dim, group)[0])
-    programs_per_sm = num_kv_heads * head_blocks * batch * splits / device_sms(device)
     merge = None if splits == 1 else merge_variant(splits, triton.next_power_of_2(head_dim))
-    return merge, decode_config(head_dim, group, 1, kv_fp8, programs_per_sm)[2]
+    return merge, launch_config(batch, num_q_heads, num_kv_heads, head_dim, device, splits, kv_fp8=kv_fp8)[2]
+
+
+def launch_config(batch: int, num_q_heads: int, num_kv_heads: int, head_dim: int, device: torch.device,
+                  num_splits: int, query_len: int = 1, kv_fp8: bool = False) -> tuple:
+    """decode_config's tile for a launch of `batch` sequences in num_splits splits: its programs
+    (KV heads x head blocks x batch x splits) per SM pick the warps over an FP8 cache."""
+    group = num_q_heads // num_kv_heads
+    head_blocks = triton.cdiv(group * query_len, decode_config(head_dim, group, query_len)[0])
+    programs_per_sm = num_kv_heads * head_blocks * batch * num_splits / device_sms(device)
+    return decode_config(head_dim, group, query_len, kv_fp8, programs_per_sm)
 
 
 def choose_num_splits(batch: int, num_q_heads: int, num_kv_heads: int, head_dim: int,

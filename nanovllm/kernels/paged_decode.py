@@ -33,8 +33,7 @@ import torch
 import triton
 import triton.language as tl
 
-from nanovllm.kernels.decode_plan import (alloc_decode_workspace, choose_num_splits, decode_config, device_sms,
-                                          merge_variant)
+from nanovllm.kernels.decode_plan import alloc_decode_workspace, choose_num_splits, launch_config, merge_variant
 from nanovllm.kernels.fp8 import FP8_DTYPE
 from nanovllm.kernels.pdl import PDL_LAUNCH, pdl_prologue
 from nanovllm.kernels.replay import launch
@@ -260,7 +259,7 @@ def paged_decode_attention(
     max_seq_len_hint: int | None = None,
     order: torch.Tensor | None = None,
     kv_scales: tuple[torch.Tensor, torch.Tensor] | None = None,
-    _config: tuple | None = None,  # `decode_config`'s tuple, for benchmarks
+    _config: tuple | None = None,  # `decode_plan.decode_config`'s tuple, for benchmarks
     query_len: int = 1,
     record: list | None = None,
 ) -> torch.Tensor:
@@ -296,14 +295,13 @@ def paged_decode_attention(
         return out
     assert batch <= 65535, "the batch is grid axis 1 (at most 65535 programs)"
 
-    block_d = triton.next_power_of_2(head_dim)
-    head_blocks = triton.cdiv(group * query_len, (_config or decode_config(head_dim, group, query_len))[0])
     if num_splits is None:
         num_splits = choose_num_splits(batch, num_q_heads, num_kv_heads, head_dim,
                                        q.device, max_seq_len_hint, query_len)
-    programs_per_sm = num_kv_heads * head_blocks * batch * num_splits / device_sms(q.device)
-    block_g, block_n, num_warps, num_stages, prefetch_blocks = _config or decode_config(
-        head_dim, group, query_len, kv_fp8, programs_per_sm)
+    block_g, block_n, num_warps, num_stages, prefetch_blocks = _config or launch_config(
+        batch, num_q_heads, num_kv_heads, head_dim, q.device, num_splits, query_len, kv_fp8)
+    block_d = triton.next_power_of_2(head_dim)
+    head_blocks = triton.cdiv(group * query_len, block_g)
     direct = num_splits == 1
 
     if direct:

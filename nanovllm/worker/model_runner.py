@@ -304,7 +304,7 @@ class ModelRunner:
         tokens are read by the host before the next step: no later step takes its inputs from them."""
         sampled = self.sampler.sample(logits, meta)
         if verifies:
-            self._last_sampled, self._last_row_of_seq = None, {}
+            self.forget_sampled()
             return sampled
         if self.graph_runner is not None:
             # Where the graphs look for the previous step's tokens (prev_rows index this buffer).
@@ -318,7 +318,7 @@ class ModelRunner:
         self._last_row_of_seq = dict(zip(map(_seq_id, seqs), range(len(seqs))))
 
     def forget_sampled(self):
-        """No step's inputs are pending on the last samples (after a start-up run)."""
+        """No step's inputs are pending on the last samples (after a verification step or a start-up run)."""
         self._last_sampled, self._last_row_of_seq = None, {}
 
     def _execute_graphed_decode(self, seqs: list[Sequence], defer_sampling: bool) -> StepOutput:
