@@ -26,7 +26,9 @@ An FP8 cache (float8_e4m3fn, holding k / k_scale and v / v_scale per KV head) is
 registers as its tiles are loaded: K and V become fp16 (exactly; with a bf16 q, q becomes fp16 too:
 on the H200 e4m3 -> fp16 is one conversion per pair of values and e4m3 -> bf16 is not, which made the
 kernel no faster than over a bf16 cache; fp16 dots 1.2x faster), k_scale joins the softmax scale and
-v_scale multiplies the output, so the cache is read once, at one byte per value.
+v_scale multiplies the output, so the cache is read once, at one byte per value. V is converted where
+it is loaded (fp8.e4m3_to_fp16_as_loaded), not after the change into the P @ V operand layout, which
+would read it from shared memory a byte at a time.
 """
 
 import torch
@@ -34,7 +36,7 @@ import triton
 import triton.language as tl
 
 from nanovllm.kernels.decode_plan import alloc_decode_workspace, choose_num_splits, launch_config, merge_variant
-from nanovllm.kernels.fp8 import FP8_DTYPE
+from nanovllm.kernels.fp8 import FP8_DTYPE, e4m3_to_fp16_as_loaded, has_e4m3_pair_conversion
 from nanovllm.kernels.pdl import PDL_LAUNCH, pdl_prologue
 from nanovllm.kernels.replay import launch
 
@@ -95,6 +97,7 @@ def _decode_split_kernel(
     PREFETCH_BLOCKS: tl.constexpr,
     KV_FP8: tl.constexpr,  # float8_e4m3fn caches holding k / k_scale, v / v_scale of each KV head
     FP16_DOTS: tl.constexpr,  # KV_FP8 with a 16-bit q: the dots in fp16 (q converted)
+    E4M3_PAIRS: tl.constexpr,  # FP16_DOTS on a GPU converting e4m3 pairs in one instruction (sm_89+)
 ):
     # Everything up to the first tile's block ids comes from the step's inputs, not from the
     # previous kernel: it is read before the programmatic-dependent-launch wait (pdl_prologue),
@@ -165,7 +168,8 @@ def _decode_split_kernel(
         v = tl.load(v_head + (blk * stride_vb + tok * stride_vt)[:, None] + d[None, :],
                     mask=kv_mask, other=0.0)
         if KV_FP8:
-            k, v = k.to(q.dtype), v.to(q.dtype)
+            k = k.to(q.dtype)
+            v = e4m3_to_fp16_as_loaded(v, E4M3_PAIRS) if FP16_DOTS else v.to(q.dtype)
 
         if QUERY_LEN > 1:
             visible = n_mask[None, :] & (pos[None, :] <= last_key[:, None])
@@ -313,6 +317,7 @@ def paged_decode_attention(
         part_o = workspace[0].view(-1)[: n * head_dim]
         part_lse = workspace[1].view(-1)[:n]
     dot_prec = "ieee" if q.dtype == torch.float32 else "tf32"
+    fp16_dots = kv_fp8 and q.dtype != torch.float32
     launch(_decode_split_kernel, (num_kv_heads * head_blocks, batch, num_splits), (
         q, k_cache, v_cache, block_tables, seq_lens, seq_lens if order is None else order,
         out, part_o, part_lse, *(kv_scales if kv_fp8 else (k_cache, k_cache)),  # placeholders: fixed, aligned
@@ -327,7 +332,7 @@ def paged_decode_attention(
         HEAD_DIM=head_dim, BLOCK_D=block_d,
         PAGE_SIZE=page_size, BLOCK_N=block_n,
         DIRECT_OUT=direct, HAS_ORDER=order is not None, DOT_PREC=dot_prec, PREFETCH_BLOCKS=prefetch_blocks,
-        KV_FP8=kv_fp8, FP16_DOTS=kv_fp8 and q.dtype != torch.float32,
+        KV_FP8=kv_fp8, FP16_DOTS=fp16_dots, E4M3_PAIRS=fp16_dots and has_e4m3_pair_conversion(q.device),
         num_warps=num_warps, num_stages=num_stages, **PDL_LAUNCH),
         record, _SPLIT_SWAPPED, _swap_fp8 if kv_fp8 else _swap_plain)
     if not direct:

@@ -4,10 +4,13 @@ the attention kernels, dequantizing in registers, match the reference attention 
 cache."""
 import pytest
 import torch
+import triton
+import triton.language as tl
 
 from attention_dtypes import DTYPES, ON_GPU, TOL
 from nanovllm.kernels import paged_decode_attention, paged_prefill_attention, store_kv_cache
 from nanovllm.kernels import reference as ref
+from nanovllm.kernels.fp8 import e4m3_to_fp16_as_loaded, has_e4m3_pair_conversion
 from nanovllm.kernels.rope import qk_norm_rope, qk_norm_rope_store_kv
 from nanovllm.kernels.gemm import GemmConfig, dense_linear
 from nanovllm.kernels.qkv_rope import QkvRopeConfig, qkv_rope_store_kv
@@ -110,6 +113,23 @@ def _fp8_paged_kv(seq_lens, hkv, d, block_size, gen, device):
     v8 = ref.quantize_kv_fp8(v16.view(-1, hkv, d), v_scale).view(v16.shape)
     deq = (ref.dequantize_kv_cache(k8, k_scale, torch.float32), ref.dequantize_kv_cache(v8, v_scale, torch.float32))
     return (k8, v8), (k_scale, v_scale), deq, tables
+
+
+@triton.jit
+def _convert_kernel(x_ptr, out_ptr, N: tl.constexpr, HARDWARE: tl.constexpr):
+    offs = tl.arange(0, N)
+    tl.store(out_ptr + offs, e4m3_to_fp16_as_loaded(tl.load(x_ptr + offs), HARDWARE))
+
+
+def test_e4m3_to_fp16_as_loaded_is_exact(device):
+    """Every finite e4m3 value (subnormals, both zeros, +-448) at an even and at an odd position: on
+    sm_89+ the inline asm's conversion of packed pairs, each value in its place."""
+    bits = torch.arange(256, dtype=torch.int32).to(torch.uint8)
+    finite = bits[(bits & 0x7F) != 0x7F]  # 0x7F / 0xFF are NaN: the cache never holds them (saturated)
+    x = torch.cat([finite, finite[1:], finite[:5]]).view(torch.float8_e4m3fn).to(device)  # 254 + 253 + 5 = 512
+    out = torch.empty(512, dtype=torch.float16, device=device)
+    _convert_kernel[(1,)](x, out, N=512, HARDWARE=has_e4m3_pair_conversion(x.device))
+    assert torch.equal(out.cpu().view(torch.int16), x.cpu().to(torch.float16).view(torch.int16))
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
