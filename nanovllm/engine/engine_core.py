@@ -36,7 +36,8 @@ from typing import NamedTuple
 
 from nanovllm.config import Config
 from nanovllm.engine.llm_engine import LLMEngine
-from nanovllm.engine.request_output import CompletionOutput, EngineStats, RequestOutput, RequestRejected
+from nanovllm.engine.request_output import (CompletionOutput, EngineStats, FinishedSequence, RequestOutput,
+                                            RequestRejected)
 from nanovllm.engine.sequence import Sequence
 
 logger = logging.getLogger("nanovllm.engine_core")
@@ -58,17 +59,6 @@ class KVCacheInfo(NamedTuple):
     """What the core's "ready" event says of its KV cache."""
     num_blocks: int
     block_size: int
-
-
-class FinishedSequence(NamedTuple):
-    """What metrics need of a completion that ended (finished, stopped or aborted)."""
-    finish_reason: str          # "stop", "length" or "abort" (cancelled, failed or cut short)
-    arrival_time: float         # time.perf_counter() values (CLOCK_MONOTONIC: one clock per host)
-    first_scheduled_time: float | None
-    first_token_time: float | None
-    num_prompt_tokens: int
-    num_tokens: int             # completion tokens
-    time: float
 
 
 class _Tracked:
@@ -326,7 +316,7 @@ class EngineCore:
                 finished = seq.is_finished
                 if finished:
                     t.done[i] = True
-                    events.append(("finished", _finished(seq, now)))
+                    events.append(("finished", FinishedSequence.of(seq, now)))
                 if t.stream and (new_ids or finished):
                     deltas.append(self._delta(t, i, seq, new_ids, processor.take_delta(seq)))
             all_done = all(t.done)
@@ -370,7 +360,7 @@ class EngineCore:
                 known = max(seq.num_completion_tokens - seq.num_pending_tokens, 0)
                 if known > t.sent[i]:
                     self._events.append(("tokens", 0, known - t.sent[i]))
-                self._events.append(("finished", _finished(seq, now, aborted=True)))
+                self._events.append(("finished", FinishedSequence.of(seq, now, aborted=True)))
 
     def _publish_stats(self):
         sched = self.engine.scheduler
@@ -395,8 +385,3 @@ class EngineCore:
             self._emit(events)
             self._timing[3] += time.perf_counter() - start
 
-
-def _finished(seq: Sequence, now: float, aborted: bool = False) -> FinishedSequence:
-    known = max(seq.num_completion_tokens - seq.num_pending_tokens, 0)
-    return FinishedSequence("abort" if aborted else seq.finish_reason or "abort", seq.arrival_time,
-                            seq.first_scheduled_time, seq.first_token_time, seq.num_prompt_tokens, known, now)

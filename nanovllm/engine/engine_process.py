@@ -1,7 +1,6 @@
 """The engine process's side of the pipe to the server: an EngineCore whose inbox and outbox are
 the pipe's ends (started by `AsyncLLMEngine` with multiprocessing's spawn)."""
 import logging
-import os
 import pickle
 import queue
 import signal

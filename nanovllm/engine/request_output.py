@@ -1,6 +1,8 @@
 """What the asynchronous engine hands its callers: per-request outputs (whole or deltas), the
-rejection of a request, and the engine's published statistics."""
+rejection of a request, the engine's published statistics, and the record of a completion that ended
+(for metrics)."""
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 
 class RequestRejected(Exception):
@@ -104,3 +106,22 @@ class EngineStats:
     prefill_step_seconds: float = 0.0
     # Speculative decoding (nanovllm.spec_decode.SpecDecodeStats's counters), None when it is off.
     spec_decode: dict | None = None
+
+
+class FinishedSequence(NamedTuple):
+    """What metrics need of a completion that ended (finished, stopped or aborted)."""
+    finish_reason: str          # "stop", "length" or "abort" (cancelled, failed or cut short)
+    arrival_time: float         # time.perf_counter() values (CLOCK_MONOTONIC: one clock per host)
+    first_scheduled_time: float | None
+    first_token_time: float | None
+    num_prompt_tokens: int
+    num_tokens: int             # completion tokens
+    time: float
+
+    @classmethod
+    def of(cls, seq, now: float, aborted: bool = False) -> "FinishedSequence":
+        """The record of engine Sequence `seq`, ended at `now`: its tokens known so far (those of a step
+        still in flight are not)."""
+        known = max(seq.num_completion_tokens - seq.num_pending_tokens, 0)
+        return cls("abort" if aborted else seq.finish_reason or "abort", seq.arrival_time, seq.first_scheduled_time,
+                   seq.first_token_time, seq.num_prompt_tokens, known, now)

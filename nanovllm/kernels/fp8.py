@@ -42,7 +42,6 @@ def quantize_to_fp8(x, scale):
     return to_fp8(tl.minimum(tl.maximum(q, -448.0), 448.0))
 
 
-
 def has_e4m3_pair_conversion(device: torch.device) -> bool:
     """Whether `device` converts a pair of e4m3 values to fp16 in one instruction (cvt.rn.f16x2.e4m3x2,
     sm_89 and later): the condition for `e4m3_to_fp16_as_loaded`'s HARDWARE. Never under the interpreter."""

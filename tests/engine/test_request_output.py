@@ -1,5 +1,9 @@
-"""Streamed outputs merged: deltas of one sequence, outputs of one request, several passes' events."""
-from nanovllm.engine.request_output import CompletionOutput, RequestOutput, RequestRejected, coalesce_outputs
+"""Streamed outputs merged: deltas of one sequence, outputs of one request, several passes' events; the
+metrics record of a completion that ended."""
+from nanovllm.engine.request_output import (CompletionOutput, FinishedSequence, RequestOutput, RequestRejected,
+                                            coalesce_outputs)
+from nanovllm.engine.sequence import Sequence
+from nanovllm.sampling_params import SamplingParams
 
 
 def _delta(index, ids, finish=None, logprobs=None):
@@ -42,3 +46,19 @@ def test_several_passes_become_one_output_per_request_at_its_last_place():
     assert outputs["a"].outputs[0].token_ids == [1, 2, 3] and outputs["a"].finished
     assert outputs["b"].outputs[0].token_ids == [10] and outputs["c"].outputs[0].token_ids == [20]
     assert coalesce_outputs([passes[0]]) is passes[0]  # one pass: nothing to merge
+
+
+
+def test_a_finished_record_counts_only_known_tokens():
+    seq = Sequence([1, 2, 3], SamplingParams(max_tokens=8), seed=0)
+    seq.arrival_time, seq.first_scheduled_time, seq.first_token_time = 1.0, 1.5, 2.0
+    seq.append_token(7)
+    seq.append_pending()  # a token of a step still in flight: not known yet
+    record = FinishedSequence.of(seq, now=3.0, aborted=True)
+    assert record == FinishedSequence("abort", 1.0, 1.5, 2.0, 3, 1, 3.0)
+    seq.resolve_pending(8)
+    seq.finish_reason = "length"
+    done = FinishedSequence.of(seq, now=4.0)
+    assert (done.finish_reason, done.num_tokens, done.time) == ("length", 2, 4.0)
+    seq.finish_reason = None  # ended without a reason of its own (failed): an abort
+    assert FinishedSequence.of(seq, now=4.0).finish_reason == "abort"

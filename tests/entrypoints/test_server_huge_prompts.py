@@ -7,7 +7,6 @@ import threading
 import time
 
 import httpx
-import pytest
 
 from nanovllm.config import Config
 from nanovllm.engine.async_engine import AsyncLLMEngine

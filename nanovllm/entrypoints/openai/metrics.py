@@ -213,7 +213,7 @@ class EngineMetrics:
             self.ttft.observe(received - arrival)
 
     def _on_finished(self, seq):
-        """One completion (a request with n > 1 has n) ended: an `engine_core.FinishedSequence`."""
+        """One completion (a request with n > 1 has n) ended: a `request_output.FinishedSequence`."""
         reason = seq.finish_reason
         counter = self.finished.get(reason)
         if counter is None:
