@@ -6,6 +6,7 @@ import torch
 
 from nanovllm.engine.scheduler import ScheduledBatch
 from nanovllm.engine.sequence import Sequence
+from nanovllm.sampling_params import SamplingParams
 from nanovllm.worker.gemm_warmup import warm_gemms
 from nanovllm.worker.sampling_inputs import build_sampling_metadata
 
@@ -21,7 +22,6 @@ def run_largest_step(runner, num_tokens: int, num_seqs: int, num_blocks: int | N
     """Run a step of num_tokens prompt tokens over num_seqs sequences (all sampling): the step
     with the most activation memory. Block ids are taken modulo num_blocks (default: as many
     as it needs); before the first request any block will do."""
-    from nanovllm.sampling_params import SamplingParams
     per_seq, blocks_per_seq = largest_step_layout(runner, num_tokens, num_seqs)
     # The sampler's heaviest path: the torch path's full-vocabulary sort (top-p beside top-k rows,
     # which no kernel takes), penalties and logprobs hold several [rows, vocab] fp32 tensors at
@@ -54,8 +54,10 @@ def compile_kernels(runner):
     """Run once the kernel variants a workload meets (prefill tile sizes, decode slices at
     aligned and unaligned offsets, the sampler), so Triton compiles them at start-up rather
     than inside the first requests. The cache is still empty: any blocks will do."""
+    # Imported here, on a GPU: importing the kernels defines their @triton.jit functions, which must
+    # wait for the tests' TRITON_INTERPRET on the CPU.
     from nanovllm.kernels.decode_plan import decode_launch_variants
-    from nanovllm.sampling_params import SamplingParams
+    from nanovllm.kernels.fp8 import FP8_DTYPE
     longest = runner.config.max_model_len - 1
     # Triton specialises on pointer alignment (the prefill slice starts after the decodes)
     # and on integers equal to 1 or divisible by 16: cover decode counts mod 4, block-table
@@ -68,7 +70,7 @@ def compile_kernels(runner):
     most = min(runner.config.max_num_seqs - 1, runner.config.max_num_batched_tokens - 7)
     layouts += [[1] * nd + [7] for nd in decode_launch_variants(
         most, runner.num_q_heads, runner.num_kv_heads, runner.head_dim, runner.device, runner.config.max_model_len,
-        kv_fp8=runner.config.kv_cache_torch_dtype == torch.float8_e4m3fn)]
+        kv_fp8=runner.config.kv_cache_torch_dtype == FP8_DTYPE)]
     for lens in layouts:
         lens = [min(n, longest) for n in lens]
         seqs, next_block = [], 0
@@ -102,19 +104,20 @@ WARM_SAMPLING = ({"top_k": 50}, {"top_k": 50, "top_p": 0.9}, {"top_p": 0.9}, {"m
 
 def warm_sampler(runner):
     """Run each of WARM_SAMPLING's paths, and the masked draws, at the row counts that pick the kernels' variants."""
-    from nanovllm.sampling_params import SamplingParams
     vocab = runner.config.hf_config.vocab_size
     most = runner.config.max_num_seqs
+
+    def metadata(rows: int, extra: dict):
+        seqs = [Sequence([1, 2, 3], SamplingParams(temperature=0.8, **extra), seed=i) for i in range(rows)]
+        return build_sampling_metadata(seqs, runner.device, runner.eos_token_ids, vocab, stage=runner.stage)
+
     for rows in sorted({1, min(16, most), most}):  # library kernels pick their variant by row count
         logits = torch.randn(rows, vocab, device=runner.device).to(runner.config.torch_dtype)
         for extra in WARM_SAMPLING:
-            seqs = [Sequence([1, 2, 3], SamplingParams(temperature=0.8, **extra), seed=i) for i in range(rows)]
-            meta = build_sampling_metadata(seqs, runner.device, runner.eos_token_ids, vocab, stage=runner.stage)
-            runner.sampler.sample(logits, meta)
+            runner.sampler.sample(logits, metadata(rows, extra))
         # Under grammar masks: the fused draw's masked variant, and the kernel writing masks into logits.
         for extra in ({}, {"logprobs": 5}, {"top_k": 50}):
-            seqs = [Sequence([1, 2, 3], SamplingParams(temperature=0.8, **extra), seed=i) for i in range(rows)]
-            meta = build_sampling_metadata(seqs, runner.device, runner.eos_token_ids, vocab, stage=runner.stage)
+            meta = metadata(rows, extra)
             mask_rows, masks = runner.bitmasks.host()
             mask_rows[:rows] = range(rows)
             masks[:rows] = -1  # every token allowed

@@ -113,7 +113,7 @@ def test_decode_launch_variants_cover_every_batch(kv_fp8, monkeypatch):
 
     def variant(batch):  # what the launch compiles, as paged_decode_attention picks it
         splits = choose_num_splits(batch, 16, 8, 128, cpu, 8192)
-        warps = decode_plan.decode_config(128, 2, 1, kv_fp8, 8 * batch * splits / 132)[2]
+        warps = decode_plan.launch_config(batch, 16, 8, 128, cpu, splits, kv_fp8=kv_fp8)[2]
         return None if splits == 1 else decode_plan.merge_variant(splits, 128), warps
 
     batches = decode_plan.decode_launch_variants(512, 16, 8, 128, cpu, 8192, kv_fp8)
